@@ -1,0 +1,23 @@
+"""``python -m ddpexp`` / ``ddpexp``: compose the config with Hydra and hand it to the fan-out."""
+
+from typing import Optional
+
+import hydra
+from omegaconf import DictConfig
+
+from ddpexp.config import register_configs
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path="pkg://ddpexp.conf", config_name="config")
+def main(cfg: DictConfig) -> Optional[float]:
+    """Run one experiment (every job of a sweep calls this); returns the monitored metric
+    so that Hydra sweepers such as optuna can optimise it."""
+    from ddpexp.launch import run
+
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    main()

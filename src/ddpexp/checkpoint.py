@@ -1,0 +1,180 @@
+"""Checkpoints: what they hold, how they are written (atomically, by global rank 0 only) and
+how they are read (``weights_only=True``, always).
+
+A checkpoint is a plain dict, built in one place (:func:`build`) so its schema is documented
+once::
+
+    format       int, CHECKPOINT_FORMAT
+    model        the unwrapped model's state_dict (no "module." prefixes)
+    optimizer    optimizer.state_dict()
+    scheduler    scheduler.state_dict() or None
+    scaler       GradScaler.state_dict() or None
+    epoch        the epoch in progress (0-based) when saved
+    batch        batches of that epoch already done (0 = at the epoch's start)
+    step         optimizer steps done in all
+    best         {"metric": name, "value": best value or None, "epoch": int or None}
+    metrics      the latest validation metrics, e.g. {"val/loss": .., "val/acc": ..}
+    history      [{epoch, step, val/loss, val/acc}, ...] of every validation so far
+    early_stop   validations without improvement so far
+    ranks        one entry per rank: {"rng": {"torch", "cuda", "numpy", "python"} generator
+                 states, "train_accum": [loss sum, correct, samples] not yet logged}
+    world_size   the world size that wrote it (``ranks`` has one entry per rank)
+    config       the resolved config of the run, plain Python
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from ddpexp.errors import CheckpointError
+
+CHECKPOINT_FORMAT = 1
+LAST, BEST = "last.pt", "best.pt"
+_TMP_MARK = ".tmp-"
+
+
+def build(**fields: Any) -> dict:
+    """Assemble a checkpoint dict; every key of the module docstring must be given."""
+    expected = {
+        "model", "optimizer", "scheduler", "scaler", "epoch", "batch", "step", "best",
+        "metrics", "history", "early_stop", "ranks", "world_size", "config",
+    }
+    missing, extra = expected - fields.keys(), fields.keys() - expected
+    if missing or extra:
+        raise TypeError(f"checkpoint fields: missing {sorted(missing)}, unknown {sorted(extra)}")
+    return {"format": CHECKPOINT_FORMAT, **fields}
+
+
+def rng_state() -> dict:
+    """This process's generator states, as tensors and ints only (``weights_only``-safe)."""
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+        "python": random.getstate(),
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` captured."""
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+def save_atomic(obj: dict, path: Path) -> None:
+    """Write ``obj`` to ``path`` so that a crash at any instant leaves either the old file or
+    the new one, never a torn one: temporary file in the same dir, fsync, rename, fsync dir."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}{_TMP_MARK}{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def link_atomic(src: Path, dst: Path) -> None:
+    """Make ``dst`` the same file as ``src`` (a hard link renamed into place), atomically and
+    without serialising the checkpoint a second time."""
+    tmp = dst.with_name(f"{dst.name}{_TMP_MARK}{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+        os.replace(tmp, dst)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        import shutil
+
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    _fsync_dir(dst.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temporaries(directory: Path) -> list[Path]:
+    """Delete temporaries left by a save that was killed; they are never read."""
+    removed = []
+    if directory.is_dir():
+        for p in directory.iterdir():
+            if _TMP_MARK in p.name:
+                p.unlink(missing_ok=True)
+                removed.append(p)
+    return removed
+
+
+def load(path: Path | str, map_location: Any = "cpu") -> dict:
+    """Read a checkpoint with ``weights_only=True``; anything else is a clear error."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if "weights_only" in str(exc) or "Weights only" in str(exc):
+            raise CheckpointError(
+                f"checkpoint {path} holds objects that only an unsafe pickle load could "
+                "create; ddpexp reads checkpoints with torch.load(weights_only=True) only and "
+                "refuses it. Re-save it as tensors and plain Python containers."
+            ) from None
+        raise _corrupt(path, exc) from None
+    except (RuntimeError, EOFError, ValueError, OSError, KeyError) as exc:
+        raise _corrupt(path, exc) from None
+    if not isinstance(ckpt, dict) or "model" not in ckpt:
+        raise CheckpointError(f"{path} is not a ddpexp checkpoint (no 'model' entry)")
+    return ckpt
+
+
+def _corrupt(path: Path, exc: BaseException) -> CheckpointError:
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return CheckpointError(
+        f"checkpoint {path} is truncated or corrupt ({reason}). Point resume= at another "
+        f"checkpoint, e.g. {path.with_name(BEST)}, or start afresh."
+    )
+
+
+def find(resume: Optional[str], run_dir: Path) -> Optional[Path]:
+    """The checkpoint ``resume`` asks for: ``auto`` -> ``run_dir``'s last.pt if any, a run dir
+    -> its last.pt, a file -> that file. ``None`` means start from scratch."""
+    if resume in (None, ""):
+        return None
+    if resume == "auto":
+        last = run_dir / "checkpoints" / LAST
+        return last if last.exists() else None
+    target = Path(resume).expanduser()
+    if target.is_dir():
+        last = target / "checkpoints" / LAST
+        if not last.exists():
+            raise CheckpointError(
+                f"resume={resume}: {last} does not exist (the run saved no checkpoint yet)"
+            )
+        return last
+    if target.is_file():
+        return target
+    raise CheckpointError(
+        f"resume={resume} is neither auto, a run dir nor a checkpoint file that exists"
+    )

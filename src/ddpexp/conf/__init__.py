@@ -1,0 +1,1 @@
+# Hydra reads this package's YAML files through importlib.resources (pkg://ddpexp.conf).

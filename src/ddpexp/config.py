@@ -1,0 +1,198 @@
+"""The typed part of ddpexp's configuration and the OmegaConf resolvers its YAML uses.
+
+What code reads (the ``trainer`` node, ``seed``, ``resume``) is a dataclass in Hydra's
+ConfigStore, so a typo such as ``trainer.gpu=4`` or ``trainer.strategy=dpp`` fails while the
+config is composed, before anything runs. What users swap (``model``, ``data``, ``optimizer``,
+``scheduler``) stays YAML with a ``_target_`` and is checked when it is instantiated.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from ddpexp.errors import ConfigError
+
+
+class Strategy(Enum):
+    """How the workers of a run share the model."""
+
+    auto = "auto"
+    ddp = "ddp"
+    dp = "dp"
+    single = "single"
+
+
+class MonitorMode(Enum):
+    """Whether a larger or a smaller monitored metric is better."""
+
+    max = "max"
+    min = "min"
+
+
+PRECISIONS = ("32", "bf16", "16")
+
+
+@dataclass
+class TrainerConfig:
+    """Everything the trainer and the fan-out read. See the README for each key."""
+
+    gpus: int = 0
+    procs: Optional[int] = None
+    nodes: int = 1
+    rdzv_endpoint: Optional[str] = None
+    rdzv_timeout_s: int = 300
+    strategy: Strategy = Strategy.auto
+    max_epochs: int = 10
+    max_steps: Optional[int] = None
+    precision: str = "32"
+    accumulate: int = 1
+    grad_clip: Optional[float] = None
+    max_restarts: int = 0
+    dist_timeout_s: float = 300.0
+    log_every_n_steps: int = 20
+    ckpt_every_steps: Optional[int] = None
+    monitor: str = "val/acc"
+    monitor_mode: MonitorMode = MonitorMode.max
+    early_stop_patience: Optional[int] = None
+    sync_batchnorm: bool = False
+    compile: bool = False
+    channels_last: bool = False
+    progress_bar: Optional[bool] = None
+    shutdown_grace_s: int = 30
+
+
+@dataclass
+class DdpexpConfig:
+    """The root of the composed config; the groups fill the ``Any`` nodes."""
+
+    model: Any = MISSING
+    data: Any = MISSING
+    optimizer: Any = MISSING
+    scheduler: Any = None
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    seed: int = 0
+    resume: Optional[str] = None
+
+
+def register_configs() -> None:
+    """Put the schema in Hydra's ConfigStore (idempotent) and register the resolvers."""
+    ConfigStore.instance().store(name="ddpexp_schema", node=DdpexpConfig)
+    ConfigStore.instance().store(group="trainer", name="base_trainer", node=TrainerConfig)
+    if not OmegaConf.has_resolver("ddpexp.unique_dir"):
+        OmegaConf.register_new_resolver("ddpexp.unique_dir", unique_dir)
+    if not OmegaConf.has_resolver("ddpexp.resume_dir"):
+        OmegaConf.register_new_resolver("ddpexp.resume_dir", resume_dir)
+    if not OmegaConf.has_resolver("ddpexp.hydra_subdir"):
+        OmegaConf.register_new_resolver("ddpexp.hydra_subdir", hydra_subdir)
+
+
+# Hydra resolves hydra.run.dir / hydra.sweep.dir several times in one process (the sweeper
+# creates the sweep dir, the launcher reads it again). Each must see the same answer, so
+# the dir made for a requested path is remembered for the life of the process.
+_CLAIMED: dict[str, str] = {}
+
+
+def unique_dir(path: str) -> str:
+    """Claim ``path``, or ``path-1``, ``path-2``... if another run got there first.
+
+    ``os.mkdir`` is atomic, so two runs started in the same second never share a dir.
+    """
+    if path in _CLAIMED:
+        return _CLAIMED[path]
+    base = Path(path)
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for n in range(10_000):
+        candidate = base if n == 0 else base.with_name(f"{base.name}-{n}")
+        try:
+            candidate.mkdir()
+        except FileExistsError:
+            continue
+        _CLAIMED[path] = str(candidate)
+        return str(candidate)
+    raise ConfigError(f"could not create a fresh run dir next to {path}")
+
+
+def resume_dir(resume: Any, fresh: str) -> str:
+    """The run dir: the one ``resume`` points at (dir or checkpoint file), else ``fresh``.
+
+    ``fresh`` is only claimed (created) when it is the answer, so resuming into an old run
+    leaves no empty new dir behind.
+    """
+    if resume not in (None, "", "auto"):
+        target = Path(str(resume)).expanduser()
+        if target.is_file() and target.parent.name == "checkpoints":
+            return str(target.parent.parent)
+        if target.is_dir():
+            return str(target)
+    return unique_dir(fresh)
+
+
+def hydra_subdir(output_dir: str) -> str:
+    """Where Hydra saves this job's config: ``.hydra``, or ``.hydra/resume-N`` when the dir
+    already holds a run, so resuming never overwrites the config the run started with."""
+    first = Path(output_dir) / ".hydra"
+    if not (first / "config.yaml").exists():
+        return ".hydra"
+    n = 1
+    while (first / f"resume-{n}").exists():
+        n += 1
+    return f".hydra/resume-{n}"
+
+
+def to_plain(cfg: DictConfig) -> dict:
+    """The fully resolved config as plain Python (enums as strings): what workers receive
+    and what checkpoints store."""
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
+
+
+def validate(cfg: DictConfig) -> None:
+    """Checks that the types alone cannot express; each failure names the allowed values."""
+    t = cfg.trainer
+    if str(t.precision) not in PRECISIONS:
+        raise ConfigError(
+            f"trainer.precision={t.precision!r} is not one of {', '.join(PRECISIONS)}"
+        )
+    for key in ("gpus", "nodes", "accumulate", "max_epochs", "log_every_n_steps"):
+        value = t[key]
+        low = 0 if key == "gpus" else 1
+        if value < low:
+            raise ConfigError(f"trainer.{key}={value} must be >= {low}")
+    if t.procs is not None and t.procs < 1:
+        raise ConfigError(f"trainer.procs={t.procs} must be >= 1 (or null)")
+    if t.max_steps is not None and t.max_steps < 1:
+        raise ConfigError(f"trainer.max_steps={t.max_steps} must be >= 1 (or null)")
+    if t.max_restarts < 0:
+        raise ConfigError(f"trainer.max_restarts={t.max_restarts} must be >= 0")
+    if t.dist_timeout_s <= 0:
+        raise ConfigError(f"trainer.dist_timeout_s={t.dist_timeout_s} must be > 0")
+    if t.nodes > 1 and not t.rdzv_endpoint:
+        raise ConfigError(
+            f"trainer.nodes={t.nodes} needs trainer.rdzv_endpoint=HOST:PORT, the same on every "
+            "node (HOST is the first node's address)"
+        )
+    if t.monitor not in ("val/acc", "val/loss"):
+        raise ConfigError(f"trainer.monitor={t.monitor!r} is not one of val/acc, val/loss")
+    if str(t.precision) == "16" and t.gpus == 0:
+        raise ConfigError(
+            "trainer.precision=16 (fp16 with a gradient scaler) needs a GPU; "
+            "on the CPU use trainer.precision=bf16"
+        )
+    for group in ("model", "data", "optimizer"):
+        node = cfg.get(group)
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            raise ConfigError(
+                f"the {group} config has no _target_; pick one with {group}=NAME "
+                f"or give a YAML with _target_"
+            )
+
+
+def env_flag(name: str) -> bool:
+    """True when an environment variable is set to something other than 0/false/empty."""
+    return os.environ.get(name, "").lower() not in ("", "0", "false", "no")

@@ -1,0 +1,387 @@
+"""Datasets the ``data`` config group points at, and the loaders that feed a rank.
+
+Each ``data`` option is a :class:`DataSource`: it knows its loader settings, its
+``num_classes`` and ``shape``, and builds a train and a validation dataset. Datasets that fit in
+memory are :class:`InMemory` tensors and are batched by indexing (:class:`TensorLoader`), which
+is far cheaper than collating samples one by one; the rest go through a ``DataLoader``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from ddpexp.errors import ConfigError
+
+
+class InMemory(Dataset):
+    """Samples held as two tensors; ``transform`` (optional) runs per sample."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, transform: Any = None):
+        self.x, self.y, self.transform = x, y, transform
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int):
+        x = self.x[i]
+        return (self.transform(x) if self.transform is not None else x), self.y[i]
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """PyTorch's DistributedSampler that can start an epoch part-way through, so that a run
+    resumed mid-epoch sees exactly the batches the interrupted run had not seen yet."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.skip = 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        super().set_epoch(epoch)
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(super().__iter__(), self.skip, None)
+
+    def __len__(self) -> int:
+        return max(0, self.num_samples - self.skip)
+
+
+class TensorLoader:
+    """Batches of an :class:`InMemory` dataset by tensor indexing, in the sampler's order."""
+
+    def __init__(self, dataset: InMemory, batch_size: int, sampler: Sequence[int] | Any):
+        self.dataset, self.batch_size, self.sampler = dataset, batch_size, sampler
+
+    def __len__(self) -> int:
+        return -(-len(self.sampler) // self.batch_size)
+
+    def __iter__(self):
+        order = torch.as_tensor(list(self.sampler), dtype=torch.long)
+        x, y = self.dataset.x, self.dataset.y
+        for start in range(0, len(order), self.batch_size):
+            idx = order[start : start + self.batch_size]
+            yield x[idx], y[idx]
+
+
+def seed_worker(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: numpy and ``random`` follow the worker's torch seed,
+    which the loader derives from the rank's generator and the worker id."""
+    seed = torch.initial_seed() % 2**32
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+class DataSource:
+    """Loader settings plus the two datasets; subclasses implement :meth:`load`."""
+
+    def __init__(
+        self,
+        batch_size: int = 64,
+        num_workers: int = 0,
+        num_classes: Optional[int] = None,
+        shape: Optional[Sequence[int]] = None,
+        pin_memory: Optional[bool] = None,
+        persistent_workers: Optional[bool] = None,
+        prefetch_factor: Optional[int] = None,
+        fast_path: bool = True,
+    ):
+        if batch_size < 1:
+            raise ConfigError(f"data.batch_size={batch_size} must be >= 1")
+        if num_workers < 0:
+            raise ConfigError(f"data.num_workers={num_workers} must be >= 0")
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.num_classes = num_classes
+        self.shape = tuple(shape) if shape is not None else None
+        self.pin_memory = pin_memory
+        self.persistent_workers = persistent_workers
+        self.prefetch_factor = prefetch_factor
+        self.fast_path = fast_path
+
+    def load(self) -> tuple[Dataset, Dataset]:
+        """Return ``(train, val)``."""
+        raise NotImplementedError
+
+    def loader(
+        self,
+        dataset: Dataset,
+        sampler: Any,
+        *,
+        seed: int,
+        on_gpu: bool,
+        train: bool,
+    ):
+        """A loader over ``sampler``'s indices: :class:`TensorLoader` for transform-free
+        in-memory data, else a ``DataLoader`` with per-rank seeded workers."""
+        if self.fast_path and isinstance(dataset, InMemory) and dataset.transform is None:
+            return TensorLoader(dataset, self.batch_size, sampler)
+        workers = self.num_workers
+        extra: dict[str, Any] = {}
+        if workers > 0:
+            extra["persistent_workers"] = (
+                self.persistent_workers if self.persistent_workers is not None else train
+            )
+            if self.prefetch_factor is not None:
+                extra["prefetch_factor"] = self.prefetch_factor
+        generator = torch.Generator()
+        generator.manual_seed(seed)
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            num_workers=workers,
+            pin_memory=self.pin_memory if self.pin_memory is not None else on_gpu,
+            worker_init_fn=seed_worker,
+            generator=generator,
+            **extra,
+        )
+
+
+def _split(n: int, labels: np.ndarray, val_fraction: float, seed: int):
+    """A deterministic stratified split of ``range(n)`` into train and val indices."""
+    from sklearn.model_selection import train_test_split
+
+    return train_test_split(
+        np.arange(n), test_size=val_fraction, random_state=seed, stratify=labels
+    )
+
+
+class Digits(DataSource):
+    """scikit-learn's handwritten digits, standardised with the training split's statistics."""
+
+    def __init__(self, val_fraction: float = 0.2, split_seed: int = 0, **kwargs: Any):
+        super().__init__(**kwargs)
+        if not 0.0 < val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction={val_fraction} must be between 0 and 1")
+        self.val_fraction, self.split_seed = val_fraction, split_seed
+
+    def load(self) -> tuple[InMemory, InMemory]:
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1)
+        y = torch.tensor(digits.target, dtype=torch.long)
+        tr, va = _split(len(y), digits.target, self.val_fraction, self.split_seed)
+        tr, va = torch.as_tensor(tr), torch.as_tensor(va)
+        mean, std = x[tr].mean(), x[tr].std()
+        x = (x - mean) / std
+        return InMemory(x[tr], y[tr]), InMemory(x[va], y[va])
+
+
+class Synthetic(DataSource):
+    """Learnable data of any shape: class prototypes plus Gaussian noise, from a fixed seed."""
+
+    def __init__(
+        self,
+        num_samples: int = 2048,
+        val_samples: int = 512,
+        noise: float = 1.0,
+        data_seed: int = 0,
+        **kwargs: Any,
+    ):
+        super().__init__(**kwargs)
+        if self.shape is None or self.num_classes is None:
+            raise ConfigError("data=synthetic needs data.shape and data.num_classes")
+        if num_samples < 1 or val_samples < 1:
+            raise ConfigError("data.num_samples and data.val_samples must be >= 1")
+        self.num_samples, self.val_samples = num_samples, val_samples
+        self.noise, self.data_seed = noise, data_seed
+
+    def load(self) -> tuple[InMemory, InMemory]:
+        g = torch.Generator().manual_seed(self.data_seed)
+        prototypes = torch.randn((self.num_classes, *self.shape), generator=g)
+
+        def make(n: int) -> InMemory:
+            y = torch.randint(0, self.num_classes, (n,), generator=g)
+            x = prototypes[y] + self.noise * torch.randn((n, *self.shape), generator=g)
+            return InMemory(x, y)
+
+        return make(self.num_samples), make(self.val_samples)
+
+
+def _instantiate_transforms(specs: Optional[Sequence[Any]]) -> list:
+    if not specs:
+        return []
+    from hydra.utils import instantiate
+
+    return [instantiate(s) if isinstance(s, dict) else s for s in specs]
+
+
+class _TorchvisionSource(DataSource):
+    """Shared parts of the file-based datasets: root, download, normalisation, transforms."""
+
+    def __init__(
+        self,
+        root: str = "data",
+        download: bool = False,
+        mean: Optional[Sequence[float]] = None,
+        std: Optional[Sequence[float]] = None,
+        train_transform: Optional[Sequence[Any]] = None,
+        **kwargs: Any,
+    ):
+        super().__init__(**kwargs)
+        self.root = Path(str(root)).expanduser()
+        self.download = download
+        self.mean, self.std = mean, std
+        self.train_transform = _instantiate_transforms(train_transform)
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mean is None:
+            return x
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        mean = torch.tensor(self.mean, dtype=x.dtype).view(shape)
+        std = torch.tensor(self.std, dtype=x.dtype).view(shape)
+        return (x - mean) / std
+
+    def _in_memory(self, images: torch.Tensor, labels: Any, train: bool) -> InMemory:
+        """uint8 NHW or NHWC images -> normalised float NCHW tensors held in memory."""
+        x = images if images.dim() == 4 else images.unsqueeze(-1)
+        x = x.permute(0, 3, 1, 2).float().div_(255)
+        x = self._normalize(x).contiguous()
+        y = torch.as_tensor(labels, dtype=torch.long)
+        transform = None
+        if train and self.train_transform:
+            from torchvision.transforms import Compose
+
+            transform = Compose(self.train_transform)
+        return InMemory(x, y, transform)
+
+
+class MNIST(_TorchvisionSource):
+    """MNIST from torchvision's idx files in ``root/MNIST/raw``."""
+
+    dataset_name = "MNIST"
+
+    def load(self) -> tuple[InMemory, InMemory]:
+        import torchvision.datasets as tvd
+
+        cls = getattr(tvd, self.dataset_name)
+        raw = self.root / self.dataset_name / "raw"
+        try:
+            train = cls(str(self.root), train=True, download=self.download)
+            val = cls(str(self.root), train=False, download=self.download)
+        except RuntimeError as exc:
+            files = ", ".join(Path(u).name.removesuffix(".gz") for u, _ in cls.resources)
+            raise ConfigError(
+                f"data={self.dataset_name.lower()}: its files are not in {raw} ({exc}). "
+                f"Put {files} there (gzipped or not), or add data.download=true where a "
+                "network is reachable."
+            ) from None
+        return (
+            self._in_memory(train.data, train.targets, True),
+            self._in_memory(val.data, val.targets, False),
+        )
+
+
+class FashionMNIST(MNIST):
+    """Fashion-MNIST from torchvision's idx files in ``root/FashionMNIST/raw``."""
+
+    dataset_name = "FashionMNIST"
+
+
+class CIFAR10(_TorchvisionSource):
+    """CIFAR-10 from the python batches in ``root/cifar-10-batches-py``.
+
+    torchvision checks each batch file's MD5 against the official release; ``verify=false``
+    skips that check for files you made yourself (the tests do).
+    """
+
+    def __init__(self, verify: bool = True, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.verify = verify
+
+    def load(self) -> tuple[InMemory, InMemory]:
+        import torchvision.datasets as tvd
+
+        verify = self.verify
+
+        class _CIFAR10(tvd.CIFAR10):
+            def _check_integrity(self) -> bool:
+                if verify:
+                    return super()._check_integrity()
+                base = Path(self.root) / self.base_folder
+                return all((base / name).is_file() for name, _ in self.train_list + self.test_list)
+
+        folder = self.root / tvd.CIFAR10.base_folder
+        try:
+            train = _CIFAR10(str(self.root), train=True, download=self.download)
+            val = _CIFAR10(str(self.root), train=False, download=self.download)
+        except RuntimeError as exc:
+            raise ConfigError(
+                f"data=cifar10: no usable CIFAR-10 batches in {folder} ({exc}). Put the python "
+                "version's data_batch_1..5 and test_batch there, or add data.download=true "
+                "where a network is reachable."
+            ) from None
+        return (
+            self._in_memory(torch.from_numpy(train.data), train.targets, True),
+            self._in_memory(torch.from_numpy(val.data), val.targets, False),
+        )
+
+
+class ImageFolder(_TorchvisionSource):
+    """Images in ``root/train/<class>/`` and ``root/val/<class>/``, read as they are needed."""
+
+    def load(self) -> tuple[Dataset, Dataset]:
+        from torchvision import datasets, transforms
+
+        for split in ("train", "val"):
+            if not (self.root / split).is_dir():
+                raise ConfigError(
+                    f"data=imagefolder: {self.root / split} does not exist. Lay the images out "
+                    f"as {self.root}/train/<class>/*.png and {self.root}/val/<class>/*.png."
+                )
+        if self.shape is None:
+            raise ConfigError("data=imagefolder needs data.shape=[C,H,W]")
+        channels, size = self.shape[0], list(self.shape[1:])
+        common = [transforms.Resize(size)]
+        if channels == 1:
+            common.append(transforms.Grayscale(1))
+        tail = [transforms.ToTensor()]
+        if self.mean is not None:
+            tail.append(transforms.Normalize(self.mean, self.std))
+        try:
+            train = datasets.ImageFolder(
+                str(self.root / "train"),
+                transforms.Compose(common + self.train_transform + tail),
+                loader=_ImageLoader(channels),
+            )
+            val = datasets.ImageFolder(
+                str(self.root / "val"),
+                transforms.Compose(common + tail),
+                loader=_ImageLoader(channels),
+            )
+        except (FileNotFoundError, RuntimeError) as exc:
+            raise ConfigError(f"data=imagefolder: {exc}") from None
+        if train.classes != val.classes:
+            raise ConfigError(
+                f"data=imagefolder: train classes {train.classes} differ from val classes "
+                f"{val.classes}"
+            )
+        if self.num_classes is None:
+            self.num_classes = len(train.classes)
+        elif self.num_classes != len(train.classes):
+            raise ConfigError(
+                f"data.num_classes={self.num_classes} but {self.root}/train has "
+                f"{len(train.classes)} class folders"
+            )
+        return train, val
+
+
+class _ImageLoader:
+    """Opens an image file as grey or RGB (a class, so DataLoader workers can pickle it)."""
+
+    def __init__(self, channels: int):
+        self.mode = "L" if channels == 1 else "RGB"
+
+    def __call__(self, path: str):
+        from PIL import Image
+
+        with open(path, "rb") as f:
+            return Image.open(f).convert(self.mode)

@@ -1,0 +1,102 @@
+"""Rank and world bookkeeping, process-group set-up and teardown, free ports, seeds.
+
+A worker learns who it is from the environment torch elastic (or SLURM) gives it, once, in
+:func:`context_from_env`; everything else asks the resulting :class:`DistContext`.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Who this process is in the run."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    restart: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        """Global rank 0: the only process that writes TensorBoard, checkpoints, metrics."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        """Whether a process group is (to be) set up."""
+        return dist.is_available() and dist.is_initialized()
+
+
+def context_from_env(gpus: int) -> DistContext:
+    """Read RANK/LOCAL_RANK/WORLD_SIZE (set by torch elastic), or SLURM's equivalents."""
+    env = os.environ
+    if "RANK" in env:
+        rank, local_rank = int(env["RANK"]), int(env.get("LOCAL_RANK", 0))
+        world, local_world = int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", 1))
+    elif "SLURM_PROCID" in env:
+        rank, local_rank = int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0))
+        world = int(env["SLURM_NTASKS"])
+        local_world = int(env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0])
+    else:
+        rank, local_rank, world, local_world = 0, 0, 1, 1
+    device = torch.device("cpu")
+    if gpus > 0:
+        device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+        torch.cuda.set_device(device)
+    restart = int(env.get("TORCHELASTIC_RESTART_COUNT", 0))
+    return DistContext(rank, local_rank, world, local_world, device, restart)
+
+
+def init_process_group(ctx: DistContext, timeout_s: float, force: bool = False) -> None:
+    """NCCL on GPUs, gloo on CPUs, with a collective timeout so that a stuck rank fails the
+    run instead of hanging it. With one process and ``force`` (strategy=ddp on one worker) an
+    in-memory store is used, so no port is opened."""
+    if ctx.world_size == 1 and not force:
+        return
+    backend = "nccl" if ctx.device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    if ctx.world_size == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+        return
+    kwargs = {"device_id": ctx.device} if backend == "nccl" else {}
+    dist.init_process_group(backend, init_method="env://", rank=ctx.rank,
+                            world_size=ctx.world_size, timeout=timeout, **kwargs)
+
+
+def destroy_process_group() -> None:
+    """Tear down the process group if there is one (safe to call twice)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (the OS picks it; never a fixed number)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def derive_seed(base: int, *parts: int) -> int:
+    """A well-mixed 63-bit seed from the base seed and e.g. (rank,) or (rank, epoch)."""
+    ss = np.random.SeedSequence([base, *parts])
+    return int(ss.generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch (CPU and CUDA), numpy and ``random``."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)

@@ -1,0 +1,27 @@
+"""The errors ddpexp reports to users.
+
+They derive from Hydra's ``CompactHydraException``: Hydra then prints just the message on
+stderr and exits 1, and ``HYDRA_FULL_ERROR=1`` still shows the whole traceback.
+"""
+
+from hydra.errors import CompactHydraException
+
+
+class DdpexpError(CompactHydraException):
+    """Something the user can fix; the message says what is wrong and what to do."""
+
+
+class ConfigError(DdpexpError):
+    """A config value that cannot work (bad value, too many GPUs, missing dataset)."""
+
+
+class CheckpointError(DdpexpError):
+    """A checkpoint that cannot be read safely (corrupt, truncated, or unsafe pickles)."""
+
+
+class RunFailed(DdpexpError):
+    """A worker died, raised or stalled; the message names the rank and the cause."""
+
+
+class RunInterrupted(DdpexpError):
+    """SIGTERM/SIGINT stopped the run after a checkpoint; the message says how to resume."""

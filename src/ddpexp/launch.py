@@ -1,0 +1,271 @@
+"""Fan-out of one run: decide the workers, start them on torch elastic, report the outcome.
+
+This is the one path every run takes, with or without ``-m``: the task function calls
+:func:`run`, which runs the worker in this process (one worker, no restarts), hands the
+workers to torch elastic's agent (several workers, restarts, several nodes), or becomes one rank
+of a SLURM job step. Workers receive the resolved config and the run dir chosen here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from ddpexp.config import to_plain, validate
+from ddpexp.errors import ConfigError, DdpexpError, RunFailed, RunInterrupted
+
+log = logging.getLogger("ddpexp")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a run is laid out: the strategy and the workers per node and in all."""
+
+    strategy: str
+    procs: int
+    nodes: int
+    gpus: int
+
+    @property
+    def world_size(self) -> int:
+        return self.procs * self.nodes
+
+
+def plan_run(trainer: Any, visible_gpus: Optional[int] = None) -> Plan:
+    """Resolve ``strategy=auto`` and ``procs=null`` and reject layouts that cannot run."""
+    gpus, nodes = int(trainer.gpus), int(trainer.nodes)
+    strategy = getattr(trainer.strategy, "value", str(trainer.strategy))
+    if gpus > 0:
+        if visible_gpus is None:
+            import torch
+
+            visible_gpus = torch.cuda.device_count()
+        if gpus > visible_gpus:
+            shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+            where = f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""
+            fix = f"trainer.gpus={visible_gpus}" if visible_gpus else "trainer.gpus=0 to train on the CPU"
+            raise ConfigError(
+                f"trainer.gpus={gpus} but {visible_gpus} GPU(s) are visible{where}. "
+                f"Use {fix}" + (", or trainer.gpus=0 for the CPU" if visible_gpus else "") + "."
+            )
+    procs = trainer.procs
+    if strategy == "dp":
+        if procs not in (None, 1) or nodes != 1:
+            raise ConfigError(
+                "trainer.strategy=dp is one process on one node (nn.DataParallel over "
+                f"trainer.gpus); got trainer.procs={procs}, trainer.nodes={nodes}. "
+                "Use trainer.strategy=ddp for several processes."
+            )
+        return Plan("dp", 1, 1, gpus)
+    if procs is None:
+        procs = gpus if gpus > 0 else 1
+    if gpus > 0 and procs != gpus:
+        raise ConfigError(
+            f"trainer.procs={procs} with trainer.gpus={gpus}: on GPUs there is one worker per GPU; "
+            "leave trainer.procs unset"
+        )
+    world = procs * nodes
+    if strategy == "single" and world > 1:
+        raise ConfigError(
+            f"trainer.strategy=single runs one process, but trainer.procs x trainer.nodes = {world}; "
+            "use trainer.strategy=ddp (or auto)"
+        )
+    if strategy == "auto":
+        strategy = "ddp" if world > 1 else "single"
+    return Plan(strategy, procs, nodes, gpus)
+
+
+def overrides_as_hparams(overrides: list[str]) -> dict[str, Any]:
+    """``["optimizer.lr=0.1", "model=mlp"]`` -> ``{"optimizer.lr": 0.1, "model": "mlp"}``: the
+    hyperparameters a sweep varies, as TensorBoard's HParams dashboard shows them."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    out: dict[str, Any] = {}
+    for o in OverridesParser.create().parse_overrides(overrides):
+        key = o.get_key_element().lstrip("+~")
+        if key in ("resume",) or key.startswith("hydra"):
+            continue
+        value = o.value()
+        out[key] = value if isinstance(value, (bool, int, float, str)) else o.get_value_element_as_str()
+    return out
+
+
+def run(cfg: DictConfig) -> Optional[float]:
+    """The task function's body: run one experiment and return its monitored metric."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from ddpexp import checkpoint
+    from ddpexp.worker import WorkerPayload
+
+    validate(cfg)
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    plan = plan_run(cfg.trainer)
+    try:
+        plain = to_plain(cfg)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"the config does not resolve: {exc}") from None
+    plain["trainer"].update(strategy=plan.strategy, procs=plan.procs)
+    resume = checkpoint.find(cfg.resume, run_dir)
+    payload = WorkerPayload(
+        config=plain,
+        run_dir=str(run_dir),
+        log_file=str(run_dir / f"{hydra_cfg.job.name}.log"),
+        resume_from=str(resume) if resume else None,
+        hparams=overrides_as_hparams(list(hydra_cfg.overrides.task)),
+    )
+    log.info("run dir: %s", run_dir)
+    log.info("%d worker(s): strategy=%s, %s", plan.world_size, plan.strategy,
+             f"{plan.gpus} GPU(s) per node" if plan.gpus else "CPU")
+    started = time.time()
+    try:
+        result = _dispatch(plan, cfg, payload)
+    except DdpexpError as exc:
+        _record_failure(run_dir, exc, started)
+        raise
+    if result is None:  # not global rank 0 of a SLURM step
+        return None
+    if result["status"] == "interrupted":
+        raise RunInterrupted(_resume_hint(run_dir, hydra_cfg))
+    best = result["best"].get(result["monitor"])
+    log.info("%s: %d epochs, %d steps, best %s %s; run dir %s", result["status"],
+             result["epochs"], result["steps"], result["monitor"],
+             "n/a" if best is None else f"{best:.4f}", run_dir)
+    return best
+
+
+def _dispatch(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
+    from ddpexp.worker import run_worker
+
+    if _slurm_ranks() and plan.nodes * plan.procs > 1:
+        return run_worker.__wrapped__(payload)
+    if plan.world_size == 1 and cfg.trainer.max_restarts == 0:
+        payload.in_process = True
+        # No elastic agent: this process is the worker, so it takes SIGTERM/SIGINT itself.
+        return run_worker.__wrapped__(payload)
+    return _elastic(plan, cfg, payload)
+
+
+def _slurm_ranks() -> bool:
+    """Inside an ``srun`` step of several tasks, SLURM has already started every rank."""
+    env = os.environ
+    return (
+        "SLURM_PROCID" in env
+        and int(env.get("SLURM_NTASKS", "1")) > 1
+        and "TORCHELASTIC_RUN_ID" not in env
+    )
+
+
+def _elastic(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
+    """Start the workers under torch elastic's agent and wait for them.
+
+    One node: a c10d rendezvous on a loopback port picked now (a concrete port, so restart
+    rounds re-form the group). Several nodes: the user's ``rdzv_endpoint``, shared by all.
+    """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from ddpexp.dist import free_port
+    from ddpexp.worker import run_worker
+
+    t = cfg.trainer
+    env_keys = {}
+    if plan.nodes == 1:
+        endpoint, local_addr = f"127.0.0.1:{free_port()}", "127.0.0.1"
+        run_id = uuid.uuid4().hex
+        # Keep the workers' own sockets on loopback too.
+        env_keys = {"GLOO_SOCKET_IFNAME": "lo"} if plan.gpus == 0 else {"NCCL_SOCKET_IFNAME": "lo"}
+    else:
+        endpoint, local_addr = str(t.rdzv_endpoint), None
+        run_id = "ddpexp-" + endpoint.replace(":", "-")
+    for key, value in env_keys.items():
+        os.environ.setdefault(key, value)
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    config = LaunchConfig(
+        min_nodes=plan.nodes,
+        max_nodes=plan.nodes,
+        nproc_per_node=plan.procs,
+        run_id=run_id,
+        role="ddpexp",
+        rdzv_endpoint=endpoint,
+        rdzv_backend="c10d",
+        rdzv_configs={"timeout": int(t.rdzv_timeout_s)},
+        max_restarts=int(t.max_restarts),
+        monitor_interval=0.1,
+        start_method="spawn",
+        local_addr=local_addr,
+        logs_specs=DefaultLogsSpecs(log_dir=None),
+        shutdown_timeout=int(t.shutdown_grace_s),
+    )
+    try:
+        results = elastic_launch(config, run_worker)(payload)
+    except ChildFailedError as exc:
+        raise RunFailed(_describe_failure(exc)) from None
+    except SignalException as exc:
+        raise RunInterrupted(
+            f"stopped by {exc.sigval.name}; " + _resume_hint(Path(payload.run_dir), None)
+        ) from None
+    return results.get(0)
+
+
+def _describe_failure(exc: Any) -> str:
+    """One message naming each failed rank and its cause (the first line of its error)."""
+    lines = []
+    for rank, failure in sorted(exc.failures.items()):
+        cause = _cause(failure)
+        lines.append(f"rank {rank} (pid {failure.pid}) {cause}")
+    head = "a worker failed, so the whole run was stopped:" if len(lines) == 1 else \
+        f"{len(lines)} workers failed, so the whole run was stopped:"
+    return head + "\n  " + "\n  ".join(lines)
+
+
+def _cause(failure: Any) -> str:
+    import signal as _signal
+
+    data = failure.error_file_data
+    message = data.get("message") if isinstance(data, dict) else None
+    if isinstance(message, dict):
+        text = str(message.get("message", "")).strip()
+        if text:
+            return "raised " + text.splitlines()[-1] if "Traceback" in text else "raised " + text
+    if failure.exitcode < 0:
+        try:
+            name = _signal.Signals(-failure.exitcode).name
+        except ValueError:
+            name = f"signal {-failure.exitcode}"
+        return f"was killed by {name}"
+    return f"exited with code {failure.exitcode}"
+
+
+def _resume_hint(run_dir: Path, hydra_cfg: Any) -> str:
+    return (
+        f"the last checkpoint is in {run_dir}/checkpoints. Continue it with:\n"
+        f"  python -m ddpexp resume={run_dir} <the same overrides>"
+    )
+
+
+def _record_failure(run_dir: Path, exc: Exception, started: float) -> None:
+    """Mark metrics.json failed (keeping what the workers wrote) so sweeps and reports see it."""
+    path = run_dir / "metrics.json"
+    try:
+        data = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        data = {}
+    data.update(status="interrupted" if isinstance(exc, RunInterrupted) else "failed",
+                error=str(exc))
+    data.setdefault("wall_time_s", round(time.time() - started, 3))
+    from ddpexp.trainer import write_metrics
+
+    write_metrics(run_dir, data)

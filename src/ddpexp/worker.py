@@ -1,0 +1,89 @@
+"""What each worker process runs: logging, threads, process group, the trainer, teardown.
+
+A worker gets the resolved config in a :class:`WorkerPayload`; it never re-enters Hydra or
+looks at ``sys.argv``, which is what keeps every rank in the one run dir the parent chose.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+log = logging.getLogger("ddpexp")
+
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s]{rank} - %(message)s"
+
+
+@dataclass
+class WorkerPayload:
+    """Everything a worker needs, picklable: the resolved config and where to write."""
+
+    config: dict
+    run_dir: str
+    log_file: str
+    resume_from: Optional[str] = None
+    hparams: dict = field(default_factory=dict)
+    in_process: bool = False
+
+
+def setup_logging(rank: int, log_file: str) -> None:
+    """Rank 0 logs INFO to stderr and the run's log; the other ranks only their warnings and
+    errors, tagged with their rank, so that a failing rank is seen without the noise."""
+    tag = "" if rank == 0 else f"[rank{rank}]"
+    formatter = logging.Formatter(LOG_FORMAT.format(rank=tag))
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    level = logging.INFO if rank == 0 else logging.WARNING
+    console = logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)  # as Hydra does
+    for handler in (console, logging.FileHandler(log_file, mode="a")):
+        handler.setFormatter(formatter)
+        handler.setLevel(level)
+        root.addHandler(handler)
+    root.setLevel(level)
+    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+
+
+def set_threads(local_world_size: int) -> None:
+    """Split this process's cores (its affinity mask: a sweep slice, a cgroup) evenly
+    between the workers of this node, so that workers do not oversubscribe the CPU."""
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (cores or 1) // max(1, local_world_size)))
+
+
+@record
+def run_worker(payload: WorkerPayload) -> Optional[dict]:
+    """Train as one rank; global rank 0 returns the run's metrics, the others ``None``."""
+    from ddpexp import dist as ddist
+    from ddpexp.checkpoint import LAST
+    from ddpexp.trainer import Trainer
+
+    cfg = payload.config
+    trainer_cfg = cfg["trainer"]
+    ctx = ddist.context_from_env(trainer_cfg["gpus"])
+    if not payload.in_process:
+        setup_logging(ctx.rank, payload.log_file)
+    set_threads(ctx.local_world_size)
+    resume_from = payload.resume_from
+    if ctx.restart > 0:
+        last = Path(payload.run_dir) / "checkpoints" / LAST
+        resume_from = str(last) if last.exists() else resume_from
+        if ctx.is_main:
+            log.warning("restart %d of the worker group: resuming from %s", ctx.restart,
+                        resume_from or "scratch (no checkpoint yet)")
+    ddist.init_process_group(ctx, trainer_cfg["dist_timeout_s"],
+                             force=trainer_cfg["strategy"] == "ddp")
+    try:
+        trainer = Trainer(cfg, ctx, Path(payload.run_dir), payload.hparams)
+        result = trainer.fit(Path(resume_from) if resume_from else None)
+    finally:
+        ddist.destroy_process_group()
+    return result if ctx.is_main else None

@@ -1,0 +1,1 @@
+"""ddpexp's Hydra launcher plugin: ``hydra/launcher=ddp``."""

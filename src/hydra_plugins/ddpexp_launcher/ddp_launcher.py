@@ -1,0 +1,35 @@
+"""The Hydra ``Launcher`` class: stores its config in ``setup()`` and leaves the work to
+``_core`` inside ``launch()``, so that importing the plugin (which Hydra does at every start
+of every app) imports neither torch nor anything heavy."""
+
+from typing import Any, Optional, Sequence
+
+from hydra.core.utils import JobReturn
+from hydra.plugins.launcher import Launcher
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig
+
+
+class DdpLauncher(Launcher):
+    """Runs each sweep job as its own process (which fans out its own DDP workers), up to
+    ``max_parallel`` at a time on disjoint slices of the machine, and summarises the sweep."""
+
+    def __init__(self, max_parallel: int = 1, fail_fast: bool = False,
+                 gpus: Optional[int] = None) -> None:
+        self.max_parallel = max_parallel
+        self.fail_fast = fail_fast
+        self.gpus = gpus
+        self.config: Optional[DictConfig] = None
+        self.task_function: Optional[TaskFunction] = None
+        self.hydra_context: Optional[HydraContext] = None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction,
+              config: DictConfig) -> None:
+        self.config = config
+        self.hydra_context = hydra_context
+        self.task_function = task_function
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from hydra_plugins.ddpexp_launcher import _core
+
+        return _core.launch(self, job_overrides=job_overrides, initial_job_idx=initial_job_idx)
