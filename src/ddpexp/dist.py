@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -100,3 +101,25 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     np.random.seed(seed % 2**32)
     random.seed(seed)
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``"gpu[03-05,9],cpu1"`` -> ``"gpu03"``."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if match is None:
+        return "localhost"
+    prefix, ranges = match.groups()
+    return prefix if not ranges else prefix + ranges.split(",")[0].split("-")[0]
+
+
+def slurm_master_env() -> dict[str, str]:
+    """MASTER_ADDR/MASTER_PORT for ranks that SLURM started (``srun``): the first node of the
+    allocation, and a port derived from the job id so every rank agrees on it without talking
+    (both can be set by the user instead)."""
+    env = os.environ
+    out = {}
+    if "MASTER_ADDR" not in env:
+        out["MASTER_ADDR"] = first_host(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "localhost")))
+    if "MASTER_PORT" not in env:
+        out["MASTER_PORT"] = str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+    return out

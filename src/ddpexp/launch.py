@@ -20,7 +20,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from ddpexp.config import to_plain, validate
+from ddpexp.config import env_flag, to_plain, validate
 from ddpexp.errors import ConfigError, DdpexpError, RunFailed, RunInterrupted
 
 log = logging.getLogger("ddpexp")
@@ -109,7 +109,7 @@ def run(cfg: DictConfig) -> Optional[float]:
     validate(cfg)
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
-    plan = plan_run(cfg.trainer)
+    plan = _slurm_plan(cfg.trainer) if _slurm_ranks() else plan_run(cfg.trainer)
     try:
         plain = to_plain(cfg)
     except OmegaConfBaseException as exc:
@@ -124,7 +124,8 @@ def run(cfg: DictConfig) -> Optional[float]:
         hparams=overrides_as_hparams(list(hydra_cfg.overrides.task)),
     )
     log.info("run dir: %s", run_dir)
-    log.info("%d worker(s): strategy=%s, %s", plan.world_size, plan.strategy,
+    log.info("%d worker(s)%s: strategy=%s, %s", plan.world_size,
+             " (SLURM tasks)" if _slurm_ranks() else "", plan.strategy,
              f"{plan.gpus} GPU(s) per node" if plan.gpus else "CPU")
     started = time.time()
     try:
@@ -146,13 +147,29 @@ def run(cfg: DictConfig) -> Optional[float]:
 def _dispatch(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
     from ddpexp.worker import run_worker
 
-    if _slurm_ranks() and plan.nodes * plan.procs > 1:
+    if _slurm_ranks():
+        from ddpexp.dist import slurm_master_env
+
+        os.environ.update(slurm_master_env())
         return run_worker.__wrapped__(payload)
     if plan.world_size == 1 and cfg.trainer.max_restarts == 0:
         payload.in_process = True
         # No elastic agent: this process is the worker, so it takes SIGTERM/SIGINT itself.
         return run_worker.__wrapped__(payload)
     return _elastic(plan, cfg, payload)
+
+
+def _slurm_plan(trainer: Any) -> Plan:
+    """SLURM started one task per rank: the world is its tasks, DDP across them."""
+    strategy = getattr(trainer.strategy, "value", str(trainer.strategy))
+    if strategy not in ("auto", "ddp"):
+        raise ConfigError(
+            f"trainer.strategy={strategy} cannot span the {os.environ['SLURM_NTASKS']} tasks of this "
+            "SLURM step; use trainer.strategy=ddp (or run one task)"
+        )
+    ntasks = int(os.environ["SLURM_NTASKS"])
+    per_node = int(os.environ.get("SLURM_NTASKS_PER_NODE", str(ntasks)).split("(")[0])
+    return Plan("ddp", per_node, max(1, ntasks // per_node), int(trainer.gpus))
 
 
 def _slurm_ranks() -> bool:
@@ -189,10 +206,18 @@ def _elastic(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
     else:
         endpoint, local_addr = str(t.rdzv_endpoint), None
         run_id = "ddpexp-" + endpoint.replace(":", "-")
+    if t.max_restarts > 0:
+        # Workers of a restart round must not share the rendezvous store with the failed round:
+        # with torch's shared store they read the dead round's gloo addresses and fail to
+        # connect (seen on torch 2.14). A fresh store per round avoids that.
+        env_keys["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     for key, value in env_keys.items():
         os.environ.setdefault(key, value)
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    # The agent logs each failed worker's traceback; the run's own message names the rank and
+    # the cause, and the traceback is in the run's log (or shown with HYDRA_FULL_ERROR=1).
+    quiet = logging.WARNING if env_flag("HYDRA_FULL_ERROR") else logging.CRITICAL
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
+        logging.getLogger(name).setLevel(quiet)
     config = LaunchConfig(
         min_nodes=plan.nodes,
         max_nodes=plan.nodes,
@@ -228,7 +253,13 @@ def _describe_failure(exc: Any) -> str:
         lines.append(f"rank {rank} (pid {failure.pid}) {cause}")
     head = "a worker failed, so the whole run was stopped:" if len(lines) == 1 else \
         f"{len(lines)} workers failed, so the whole run was stopped:"
-    return head + "\n  " + "\n  ".join(lines)
+    text = head + "\n  " + "\n  ".join(lines)
+    if any("Timed out" in line or "timed out" in line for line in lines):
+        text += (
+            "\n(a collective waited longer than trainer.dist_timeout_s: another rank stalled, "
+            "e.g. stuck in data loading or a deadlock, or skipped a collective)"
+        )
+    return text
 
 
 def _cause(failure: Any) -> str:

@@ -84,6 +84,21 @@ def run_worker(payload: WorkerPayload) -> Optional[dict]:
     try:
         trainer = Trainer(cfg, ctx, Path(payload.run_dir), payload.hparams)
         result = trainer.fit(Path(resume_from) if resume_from else None)
+    except Exception:
+        _log_traceback(payload.log_file, ctx.rank)
+        raise
     finally:
         ddist.destroy_process_group()
     return result if ctx.is_main else None
+
+
+def _log_traceback(log_file: str, rank: int) -> None:
+    """The full traceback goes to the run's log file; the terminal gets one line per failed
+    rank from the parent (and the traceback only with HYDRA_FULL_ERROR=1)."""
+    import traceback
+
+    try:
+        with open(log_file, "a") as f:
+            f.write(f"[rank{rank}] worker failed:\n{traceback.format_exc()}")
+    except OSError:
+        pass
