@@ -154,6 +154,12 @@ def to_plain(cfg: DictConfig) -> dict:
 
 def validate(cfg: DictConfig) -> None:
     """Checks that the types alone cannot express; each failure names the allowed values."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(
+            "these keys need a value: " + ", ".join(missing)
+            + " (e.g. data.root=/path/to/images for data=imagefolder)"
+        )
     t = cfg.trainer
     if str(t.precision) not in PRECISIONS:
         raise ConfigError(

@@ -288,12 +288,15 @@ def _resume_hint(run_dir: Path, hydra_cfg: Any) -> str:
 
 
 def _record_failure(run_dir: Path, exc: Exception, started: float) -> None:
-    """Mark metrics.json failed (keeping what the workers wrote) so sweeps and reports see it."""
+    """Mark this attempt failed in metrics.json, so sweeps and reports see it. A run that
+    failed before training (a bad resume, say) leaves an earlier attempt's record alone."""
     path = run_dir / "metrics.json"
     try:
         data = json.loads(path.read_text()) if path.exists() else {}
     except (OSError, ValueError):
         data = {}
+    if data.get("status", "running") != "running":
+        return
     data.update(status="interrupted" if isinstance(exc, RunInterrupted) else "failed",
                 error=str(exc))
     data.setdefault("wall_time_s", round(time.time() - started, 3))

@@ -1,0 +1,127 @@
+"""Composition of every config group with Hydra's real compose API, and the messages that bad
+input gets through the real CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from hydra.utils import instantiate
+from omegaconf import OmegaConf, open_dict
+
+from ddpexp.config import register_configs
+from conftest import only_run_dir, read_metrics, run_cli
+
+register_configs()
+
+CONF = Path(__file__).parents[1] / "src" / "ddpexp" / "conf"
+GROUPS = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml")) for g in
+          ("model", "data", "optimizer", "scheduler", "trainer")}
+
+
+def test_groups_have_the_contract_options():
+    assert {"convnet", "mlp", "resnet18"} <= set(GROUPS["model"])
+    assert {"digits", "synthetic", "mnist", "fashion_mnist", "cifar10", "imagefolder"} <= set(GROUPS["data"])
+    assert {"sgd", "adam", "adamw"} <= set(GROUPS["optimizer"])
+    assert {"none", "cosine", "step", "onecycle"} <= set(GROUPS["scheduler"])
+
+
+def _compose(*overrides: str):
+    with initialize_config_module(version_base="1.3", config_module="ddpexp.conf"):
+        return compose("config", overrides=list(overrides), return_hydra_config=True)
+
+
+@pytest.mark.parametrize("group, option", [(g, o) for g, opts in GROUPS.items() for o in opts])
+def test_every_option_composes_and_builds(group, option):
+    extra = ["data.root=/data/images"] if option == "imagefolder" else []
+    cfg = _compose(f"{group}={option}", *extra)
+    assert cfg.hydra.launcher._target_.endswith("DdpLauncher")
+    with open_dict(cfg):
+        del cfg["hydra"]  # resolving it would claim a run dir
+    plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    assert plain["trainer"]["strategy"] == "auto"
+    if plain["data"]["num_classes"] is None:  # imagefolder counts its class folders at run time
+        plain["model"]["num_classes"] = 10
+    model = instantiate(plain["model"])
+    shape = plain["data"]["shape"]
+    out = model.eval()(torch.randn(2, *shape))
+    assert out.shape == (2, plain["model"]["num_classes"])
+    opt = instantiate(plain["optimizer"])(model.parameters())
+    if plain.get("scheduler"):
+        sched = instantiate(plain["scheduler"])(opt, total_steps=100, steps_per_epoch=10)
+        opt.step()
+        sched.step()
+    data = instantiate(plain["data"], _convert_="all")
+    assert data.batch_size == plain["data"]["batch_size"]
+
+
+def test_model_reads_shapes_by_interpolation():
+    cfg = _compose("data=synthetic", "data.shape=[2,9,13]", "data.num_classes=4")
+    assert list(cfg.model.input_shape) == [2, 9, 13] and cfg.model.num_classes == 4
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.gpu=4", "Key 'gpu' not in 'TrainerConfig'"),
+    ("trainer.strategy=dpp", "Invalid value 'dpp', expected one of [auto, ddp, dp, single]"),
+    ("trainer.max_epochs=abc", "could not be converted to Integer"),
+    ("trainer.precision=8", "trainer.precision='8' is not one of 32, bf16, 16"),
+    ("trainer.precision=16", "needs a GPU; on the CPU use trainer.precision=bf16"),
+    ("trainer.procs=0", "trainer.procs=0 must be >= 1"),
+    ("trainer.nodes=2", "needs trainer.rdzv_endpoint=HOST:PORT"),
+    ("trainer.monitor=val/f1", "is not one of val/acc, val/loss"),
+    ("model=nonexistent", "Could not find 'model/nonexistent'"),
+    ("data=imagefolder", "these keys need a value: data.root"),
+    ("data=mnist data.root=NODATA", "Put train-images-idx3-ubyte"),
+    ("data=cifar10 data.root=NODATA", "no usable CIFAR-10 batches in"),
+    ("data=imagefolder data.root=NODATA", "does not exist. Lay the images out"),
+    ("resume=NOWHERE", "is neither auto, a run dir nor a checkpoint file that exists"),
+    ("data.batch_size=0", "data.batch_size=0 must be >= 1"),
+    ("trainer.strategy=single trainer.procs=2", "trainer.strategy=single runs one process"),
+    ("trainer.strategy=dp trainer.procs=2", "trainer.strategy=dp is one process"),
+])
+def test_bad_input_gets_one_clear_message(workdir, override, message):
+    args = override.replace("NODATA", str(workdir / "nodata")).replace("NOWHERE", str(workdir / "x")).split()
+    res = run_cli(args, workdir, expect_ok=False, timeout=120)
+    assert res.returncode != 0
+    assert message in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_full_error_shows_the_traceback(workdir):
+    res = run_cli(["trainer.precision=8"], workdir, expect_ok=False, env={"HYDRA_FULL_ERROR": "1"})
+    assert res.returncode != 0 and "Traceback" in res.stderr
+
+
+def test_a_failed_run_keeps_what_was_written(workdir):
+    """A resume that cannot work must not touch the run it points at."""
+    run_cli(["model=mlp", "trainer.max_epochs=1"], workdir)
+    run_dir = only_run_dir(workdir)
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    res = run_cli([f"resume={run_dir}", "model=convnet"], workdir, expect_ok=False)
+    assert "does not fit this run's model" in res.stderr
+    for path, content in before.items():
+        if path.name not in ("metrics.json", "ddpexp.log"):
+            assert path.read_bytes() == content, path
+    assert (run_dir / ".hydra" / "resume-1" / "config.yaml").exists()
+    assert read_metrics(run_dir)["final"]["val/acc"] > 0
+
+
+@pytest.mark.slow
+def test_plain_install_into_another_directory(tmp_path):
+    """The config ships inside the package: a non-editable install elsewhere still runs."""
+    repo = Path(__file__).parents[1]
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--target", str(target), str(repo)], check=True, timeout=300, cwd=tmp_path)
+    assert (target / "ddpexp" / "conf" / "config.yaml").is_file()
+    env = {"PYTHONPATH": str(target)}
+    where = subprocess.run([sys.executable, "-c", "import ddpexp; print(ddpexp.__file__)"],
+                           env={**os.environ, **env}, capture_output=True, text=True, cwd=tmp_path)
+    assert where.stdout.startswith(str(target))
+    run_cli(["model=mlp", "trainer.max_steps=3"], tmp_path, env=env)
+    assert read_metrics(only_run_dir(tmp_path))["steps"] == 3
