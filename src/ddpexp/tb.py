@@ -39,13 +39,16 @@ class TBLogger:
         self.writer.add_text("config", "```yaml\n" + text + "```", 0)
 
     def hparams_start(self, hparams: Mapping[str, Any], metric_tags: list[str]) -> None:
-        """Open this run's HParams session: the swept hyperparameters and which scalar tags
-        hold its metrics (the HParams dashboard reads their latest values)."""
+        """Open this run's HParams session with the hyperparameters it was given.
+
+        Only the session is written, no per-run experiment summary: TensorBoard then builds
+        the HParams table from the sessions of all runs under its logdir (the union of their
+        hyperparameters) and reads each metric as the latest value of its scalar tag
+        (``metric_tags``, e.g. ``val/acc`` and ``best/val/acc``)."""
         from torch.utils.tensorboard.summary import hparams as hp_summary
 
         clean = {k: _hparam_value(v) for k, v in hparams.items()}
-        exp, ssi, _ = hp_summary(clean, {tag: 0.0 for tag in metric_tags})
-        self.writer.file_writer.add_summary(exp)
+        _, ssi, _ = hp_summary(clean, {tag: 0.0 for tag in metric_tags})
         self.writer.file_writer.add_summary(ssi)
 
     def hparams_end(self, status: str) -> None:
