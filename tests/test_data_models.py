@@ -1,0 +1,302 @@
+"""Datasets from files in their real on-disk formats, the models, and user models, trained a
+few steps through the CLI under each strategy (single, dp, ddp)."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import pickle
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from conftest import only_run_dir, read_metrics, run_cli
+
+CONF = Path(__file__).resolve().parents[1] / "src" / "ddpexp" / "conf"
+# A couple of optimizer steps, one validation, a TensorBoard point per step.
+TINY = ["trainer.max_steps=2", "trainer.max_epochs=1", "trainer.log_every_n_steps=1",
+        "data.batch_size=4"]
+
+
+# ---------------------------------------------------------------- writers of real formats
+def write_idx(path: Path, array: np.ndarray, gz: bool) -> None:
+    """An idx file as MNIST ships it: 0x0000, type 0x08 (uint8), ndim, big-endian dims, data."""
+    payload = struct.pack(">HBB", 0, 0x08, array.ndim)
+    payload += b"".join(struct.pack(">I", d) for d in array.shape) + array.astype(np.uint8).tobytes()
+    if gz:
+        path = path.with_name(path.name + ".gz")
+        path.write_bytes(gzip.compress(payload))
+    else:
+        path.write_bytes(payload)
+
+
+def write_mnist(root: Path, name: str = "MNIST", gz: bool = True, n_train: int = 24,
+                n_test: int = 8, size: tuple[int, int] = (28, 28)) -> Path:
+    raw = root / name / "raw"
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        write_idx(raw / f"{prefix}-images-idx3-ubyte", rng.integers(0, 256, (n, *size)), gz)
+        write_idx(raw / f"{prefix}-labels-idx1-ubyte", rng.integers(0, 10, n), gz)
+    return raw
+
+
+def write_cifar10(root: Path, per_batch: int = 4) -> Path:
+    """The python version's layout: pickled dicts of a (N, 3072) uint8 array and labels."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        entry = {
+            "batch_label": f"{name} of 5",
+            "labels": rng.integers(0, 10, per_batch).tolist(),
+            "data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+            "filenames": [f"img_{k}.png" for k in range(per_batch)],
+        }
+        (folder / name).write_bytes(pickle.dumps(entry, protocol=2))
+    meta = {"label_names": [f"class{k}" for k in range(10)], "num_cases_per_batch": per_batch}
+    (folder / "batches.meta").write_bytes(pickle.dumps(meta, protocol=2))
+    return folder
+
+
+def write_imagefolder(root: Path, classes=("cat", "dog", "eel"), per_class: int = 3,
+                      size: tuple[int, int] = (10, 7)) -> Path:
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for c in classes:
+            d = root / split / c
+            d.mkdir(parents=True)
+            for k in range(per_class):
+                pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(d / f"{k}.png")
+    return root
+
+
+def trained(cwd: Path, args: list[str], **kw) -> dict:
+    """Run the CLI and return metrics.json after checking that it trained."""
+    run_cli(args, cwd, **kw)
+    metrics = read_metrics(only_run_dir(cwd))
+    assert metrics["status"] == "completed", metrics
+    assert metrics["steps"] >= 1
+    assert 0.0 <= metrics["final"]["val/acc"] <= 1.0
+    return metrics
+
+
+# ---------------------------------------------------------------- datasets
+def test_idx_reader_gzipped_and_plain(tmp_path):
+    from ddpexp.data import read_idx
+
+    a = np.arange(2 * 3 * 5, dtype=np.uint8).reshape(2, 3, 5)
+    write_idx(tmp_path / "plain", a, gz=False)
+    write_idx(tmp_path / "zipped", a, gz=True)
+    assert torch.equal(read_idx(tmp_path / "plain"), torch.from_numpy(a))
+    assert torch.equal(read_idx(tmp_path / "zipped.gz"), torch.from_numpy(a))
+
+
+def test_mnist_gzipped_single(workdir):
+    write_mnist(workdir / "d", gz=True)
+    trained(workdir, ["data=mnist", "data.root=d", "trainer.strategy=single", *TINY])
+
+
+def test_fashion_mnist_plain_dp(workdir):
+    # On the CPU, DP is nn.DataParallel's pass-through: one process, the plain model.
+    write_mnist(workdir / "d", name="FashionMNIST", gz=False)
+    metrics = trained(workdir, ["data=fashion_mnist", "data.root=d", "trainer.strategy=dp", *TINY])
+    assert metrics["world_size"] == 1
+
+
+@pytest.mark.slow
+def test_mnist_ddp_two_procs(workdir):
+    write_mnist(workdir / "d", gz=True)
+    metrics = trained(workdir, ["data=mnist", "data.root=d", "trainer.procs=2", *TINY])
+    assert metrics["world_size"] == 2
+
+
+def test_mnist_with_train_transform(workdir):
+    """A per-sample transform moves MNIST off the fast path onto a DataLoader."""
+    write_mnist(workdir / "d", gz=True)
+    trained(workdir, ["data=mnist", "data.root=d", *TINY,
+                      "+data.train_transform=[{_target_: torchvision.transforms.RandomCrop, size: 28, padding: 2}]"])
+
+
+def test_cifar10_python_batches_single(workdir):
+    write_cifar10(workdir / "c")
+    metrics = trained(workdir, ["data=cifar10", "data.root=c", "data.verify=false",
+                                "data.num_workers=0", *TINY])
+    assert metrics["world_size"] == 1
+
+
+def test_cifar10_refuses_unofficial_files_unless_verify_false(workdir):
+    write_cifar10(workdir / "c")
+    res = run_cli(["data=cifar10", "data.root=c", *TINY], workdir, expect_ok=False)
+    assert res.returncode != 0
+    assert "MD5" in res.stderr and "data.verify=false" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_cifar10_batches_are_not_unpickled_unsafely(tmp_path):
+    from ddpexp.data import CIFAR10
+    from ddpexp.errors import ConfigError
+
+    folder = write_cifar10(tmp_path)
+    # A pickle that would run a command when loaded by pickle.load.
+    (folder / "test_batch").write_bytes(b"cos\nsystem\n(S'echo pwned'\ntR.")
+    with pytest.raises(ConfigError, match="not a CIFAR-10 python batch.*os.system is not allowed"):
+        CIFAR10(root=str(tmp_path), verify=False).load()
+
+
+def test_imagefolder_pngs_with_two_loader_workers(workdir):
+    write_imagefolder(workdir / "imgs")
+    trained(workdir, ["data=imagefolder", "data.root=imgs", "data.shape=[3,6,5]",
+                      "data.num_workers=2", "data.prefetch_factor=3", *TINY])
+
+
+def test_loader_settings_reach_the_dataloader(tmp_path):
+    from torch.utils.data import DataLoader
+
+    from ddpexp.data import ImageFolder, Synthetic, TensorLoader
+
+    write_imagefolder(tmp_path)
+    source = ImageFolder(root=str(tmp_path), shape=[1, 4, 4], batch_size=2, num_workers=2,
+                         pin_memory=False, persistent_workers=True, prefetch_factor=3)
+    train, val = source.load()
+    assert source.num_classes == 3 and train[0][0].shape == (1, 4, 4)
+    loader = source.loader(train, list(range(len(train))), seed=0, on_gpu=False, train=True)
+    assert isinstance(loader, DataLoader)
+    assert (loader.num_workers, loader.pin_memory, loader.persistent_workers,
+            loader.prefetch_factor) == (2, False, True, 3)
+    assert sum(len(y) for _, y in loader) == len(train)
+    # Defaults: pin memory only for a GPU; persistent workers for the training loader only.
+    source = ImageFolder(root=str(tmp_path), shape=[1, 4, 4], batch_size=2, num_workers=1)
+    val_loader = source.loader(val, [0, 1], seed=0, on_gpu=True, train=False)
+    assert val_loader.pin_memory is True and val_loader.persistent_workers is False
+    # The fast path: in-memory, no per-sample transform, fast_path on.
+    syn = Synthetic(num_samples=10, val_samples=4, shape=[2], num_classes=2, batch_size=4)
+    tr, _ = syn.load()
+    fast = syn.loader(tr, list(range(10)), seed=0, on_gpu=False, train=True)
+    assert isinstance(fast, TensorLoader) and [len(y) for _, y in fast] == [4, 4, 2]
+    syn.fast_path = False
+    assert isinstance(syn.loader(tr, list(range(10)), seed=0, on_gpu=False, train=True), DataLoader)
+
+
+@pytest.mark.parametrize("data,hint", [
+    ("mnist", "MNIST/raw"), ("fashion_mnist", "FashionMNIST/raw"),
+    ("cifar10", "cifar-10-batches-py"), ("imagefolder", "train/<class>"),
+])
+def test_missing_files_give_a_clear_message(workdir, data, hint):
+    res = run_cli([f"data={data}", "data.root=nowhere", *TINY], workdir, expect_ok=False)
+    assert res.returncode != 0
+    assert "Traceback" not in res.stderr
+    assert str(workdir / "nowhere") in res.stderr and hint in res.stderr, res.stderr
+    assert "data.download=true" in res.stderr or data == "imagefolder"
+    assert not (workdir / "nowhere").exists()  # nothing was fetched or created
+
+
+def test_nothing_is_downloaded_by_default():
+    from ddpexp.data import _TorchvisionSource
+
+    for name in ("mnist", "fashion_mnist", "cifar10"):
+        assert yaml.safe_load((CONF / "data" / f"{name}.yaml").read_text())["download"] is False
+    import inspect
+
+    assert inspect.signature(_TorchvisionSource).parameters["download"].default is False
+
+
+# ---------------------------------------------------------------- models
+@pytest.mark.parametrize("shape", [[1, 1, 1], [3, 5, 9], [2, 17, 4]])
+def test_convnet_any_size(shape):
+    from ddpexp.models import ConvNet
+
+    model = ConvNet(shape, num_classes=3, channels=[4, 8], hidden=8)
+    x = torch.randn(2, *shape)
+    loss = model(x).logsumexp(1).sum()
+    loss.backward()
+    assert model(x).shape == (2, 3)
+
+
+@pytest.mark.parametrize("shape", [[1, 12, 12], [3, 8, 16], [3, 70, 64]])
+def test_resnet18_small_inputs_and_channels(shape):
+    from ddpexp.models import resnet18
+
+    model = resnet18(shape, num_classes=4).eval()
+    with torch.no_grad():
+        assert model(torch.randn(1, *shape)).shape == (1, 4)
+
+
+@pytest.mark.parametrize("model,shape,strategy", [
+    ("convnet", "[1,1,1]", "single"),
+    ("convnet", "[3,5,9]", "dp"),
+    ("mlp", "[2,3]", "single"),
+    ("resnet18", "[1,8,8]", "single"),
+])
+def test_each_model_trains(workdir, model, shape, strategy):
+    trained(workdir, [f"model={model}", "data=synthetic", "data.num_samples=16",
+                      "data.val_samples=4", f"data.shape={shape}", "data.num_classes=3",
+                      f"trainer.strategy={strategy}", *TINY])
+
+
+@pytest.mark.slow
+def test_resnet18_ddp(workdir):
+    metrics = trained(workdir, ["model=resnet18", "data=synthetic", "data.num_samples=16",
+                                "data.val_samples=4", "data.shape=[3,8,8]", "data.num_classes=3",
+                                "trainer.procs=2", *TINY])
+    assert metrics["world_size"] == 2
+
+
+USER_MODEL = '''
+"""A user's own model, outside ddpexp."""
+import math
+from torch import nn
+
+
+class TinyNet(nn.Module):
+    def __init__(self, shape, classes, width=8):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(shape), width), nn.ReLU(),
+                                 nn.Linear(width, classes))
+
+    def forward(self, x):
+        return self.net(x)
+'''
+
+
+@pytest.fixture
+def user_model(workdir) -> dict:
+    """A model module on PYTHONPATH (so spawned workers import it too) and a config dir whose
+    ``model/tiny.yaml`` points at it and reads the data's shape and classes."""
+    lib = workdir / "userlib"
+    lib.mkdir()
+    (lib / "tiny_user_model.py").write_text(USER_MODEL)
+    (workdir / "myconf" / "model").mkdir(parents=True)
+    (workdir / "myconf" / "model" / "tiny.yaml").write_text(
+        "_target_: tiny_user_model.TinyNet\nshape: ${data.shape}\nclasses: ${data.num_classes}\nwidth: 5\n")
+    path = os.pathsep.join(p for p in (str(lib), os.environ.get("PYTHONPATH")) if p)
+    return {"PYTHONPATH": path}
+
+
+def test_user_model_by_target(workdir, user_model):
+    trained(workdir, ["--config-dir", "myconf", "model=tiny", *TINY], env=user_model)
+    ckpt = torch.load(only_run_dir(workdir) / "checkpoints" / "last.pt", weights_only=True)
+    assert ckpt["model"]["net.1.weight"].shape == (5, 64)  # digits: 1x8x8 -> width 5
+    assert ckpt["model"]["net.3.weight"].shape == (10, 5)
+
+
+@pytest.mark.slow
+def test_user_model_ddp(workdir, user_model):
+    metrics = trained(workdir, ["--config-dir", "myconf", "model=tiny", "trainer.procs=2",
+                                "trainer.strategy=ddp", *TINY], env=user_model)
+    assert metrics["world_size"] == 2
+
+
+def test_non_module_target_is_refused(workdir):
+    res = run_cli(["model._target_=builtins.dict", "~model.input_shape", "~model.num_classes",
+                   "~model.channels", "~model.hidden", "~model.dropout", *TINY],
+                  workdir, expect_ok=False)
+    assert res.returncode != 0 and "not a torch.nn.Module" in res.stderr
+    assert "Traceback" not in res.stderr
