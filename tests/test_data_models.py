@@ -308,3 +308,29 @@ def test_non_module_target_is_refused(workdir):
                   workdir, expect_ok=False)
     assert res.returncode != 0 and "not a torch.nn.Module" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+# ---------------------------------------------------------------- docs
+def test_config_reference_lists_every_key():
+    """docs/config.md names every option of every group and every key they and TrainerConfig
+    have, so that the reference cannot fall behind the config."""
+    import dataclasses
+
+    from ddpexp.config import TrainerConfig
+
+    doc = (CONF.parents[2] / "docs" / "config.md").read_text()
+    for f in dataclasses.fields(TrainerConfig):
+        assert f"`trainer.{f.name}`" in doc, f.name
+    for group in ("model", "data", "optimizer", "scheduler"):
+        for path in sorted((CONF / group).glob("*.yaml")):
+            assert f"`{path.stem}`" in doc, f"{group}={path.stem}"
+            node = yaml.safe_load(path.read_text()) or {}
+            for key in node:
+                if key in ("_target_", "_partial_", "defaults", "input_shape", "num_classes") \
+                        and group != "data":
+                    continue
+                if key in ("_target_", "_partial_"):
+                    continue
+                assert f"`{key}`" in doc or f"`{group}.{key}`" in doc, f"{group}/{path.stem}: {key}"
+            if "_target_" in node:
+                assert node["_target_"].rsplit(".", 1)[-1] in doc, node["_target_"]
