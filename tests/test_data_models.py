@@ -130,9 +130,21 @@ def test_mnist_with_train_transform(workdir):
 
 def test_cifar10_python_batches_single(workdir):
     write_cifar10(workdir / "c")
-    metrics = trained(workdir, ["data=cifar10", "data.root=c", "data.verify=false",
-                                "data.num_workers=0", *TINY])
+    # The default config: RandomCrop + flip per sample on 2 loader workers.
+    metrics = trained(workdir, ["data=cifar10", "data.root=c", "data.verify=false", *TINY])
     assert metrics["world_size"] == 1
+
+
+def test_mnist_shape_mismatch_is_named(tmp_path):
+    from ddpexp.data import MNIST
+    from ddpexp.errors import ConfigError
+
+    write_mnist(tmp_path, size=(12, 12))
+    with pytest.raises(ConfigError, match=re.escape("set data.shape=[1,12,12]")):
+        MNIST(root=str(tmp_path), shape=[1, 28, 28]).load()
+    train, val = MNIST(root=str(tmp_path), shape=[1, 12, 12], mean=[0.5], std=[0.25]).load()
+    assert train.x.shape == (24, 1, 12, 12) and val.x.shape == (8, 1, 12, 12)
+    assert train.transform is None and -2.0 - 1e-6 <= train.x.min() and train.x.max() <= 2.0 + 1e-6
 
 
 def test_cifar10_refuses_unofficial_files_unless_verify_false(workdir):

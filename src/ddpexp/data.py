@@ -337,6 +337,12 @@ class MNIST(_TorchvisionSource):
                     f"data={self.dataset_name.lower()}: {raw}/{self.files[split][0]} holds "
                     f"{list(images.shape)} images for {list(labels.shape)} labels"
                 )
+            if self.shape is not None and tuple(self.shape) != (1, *images.shape[1:]):
+                raise ConfigError(
+                    f"data.shape={list(self.shape)} but {raw} holds {images.shape[1]}x"
+                    f"{images.shape[2]} grey images: set data.shape=[1,{images.shape[1]},"
+                    f"{images.shape[2]}]"
+                )
             out.append(self._in_memory(images, labels.long(), train=split))
         return out[0], out[1]
 
