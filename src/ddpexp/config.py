@@ -190,6 +190,12 @@ def validate(cfg: DictConfig) -> None:
             "trainer.precision=16 (fp16 with a gradient scaler) needs a GPU; "
             "on the CPU use trainer.precision=bf16"
         )
+    if t.sync_batchnorm and t.gpus == 0 and (t.procs or 1) * t.nodes > 1:
+        raise ConfigError(
+            "trainer.sync_batchnorm=true needs GPUs: torch's SyncBatchNorm has no CPU kernel. "
+            "On the CPU leave it off (each rank then keeps its own BatchNorm statistics; "
+            "validation and checkpoints use rank 0's)"
+        )
     for group in ("model", "data", "optimizer"):
         node = cfg.get(group)
         if not isinstance(node, DictConfig) or "_target_" not in node:

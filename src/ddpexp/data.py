@@ -9,6 +9,7 @@ is far cheaper than collating samples one by one; the rest go through a ``DataLo
 from __future__ import annotations
 
 import itertools
+import pickle
 import random
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
@@ -227,7 +228,8 @@ class _TorchvisionSource(DataSource):
         **kwargs: Any,
     ):
         super().__init__(**kwargs)
-        self.root = Path(str(root)).expanduser()
+        # Absolute, so that messages say exactly where the files were looked for.
+        self.root = Path(str(root)).expanduser().absolute()
         self.download = download
         self.mean, self.std = mean, std
         self.train_transform = _instantiate_transforms(train_transform)
@@ -241,88 +243,185 @@ class _TorchvisionSource(DataSource):
         return (x - mean) / std
 
     def _in_memory(self, images: torch.Tensor, labels: Any, train: bool) -> InMemory:
-        """uint8 NHW or NHWC images -> normalised float NCHW tensors held in memory."""
+        """uint8 NHW or NHWC images -> float NCHW tensors in [0, 1] held in memory.
+
+        Without a train transform the whole tensor is normalised once (and batched by the
+        fast path). With one, the transform sees [0, 1] images, as torchvision's transforms
+        expect (a RandomCrop pads with black, not with the mean), and normalisation follows
+        it per sample."""
         x = images if images.dim() == 4 else images.unsqueeze(-1)
         x = x.permute(0, 3, 1, 2).float().div_(255)
-        x = self._normalize(x).contiguous()
         y = torch.as_tensor(labels, dtype=torch.long)
-        transform = None
-        if train and self.train_transform:
-            from torchvision.transforms import Compose
+        if not (train and self.train_transform):
+            return InMemory(self._normalize(x).contiguous(), y)
+        from torchvision.transforms import Compose, Normalize
 
-            transform = Compose(self.train_transform)
-        return InMemory(x, y, transform)
+        steps = list(self.train_transform)
+        if self.mean is not None:
+            steps.append(Normalize(self.mean, self.std))
+        return InMemory(x.contiguous(), y, Compose(steps))
+
+    def _fetch(self, dataset_cls: Any) -> None:
+        """``data.download=true``: let torchvision fetch the files (only then, never implicitly)."""
+        if not self.download:
+            return
+        try:
+            for train in (True, False):
+                dataset_cls(str(self.root), train=train, download=True)
+        except (RuntimeError, OSError) as exc:
+            raise ConfigError(
+                f"data.download=true could not fetch {dataset_cls.__name__} into {self.root}: "
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}. "
+                "Download the files elsewhere and copy them there."
+            ) from None
+
+
+def read_idx(path: Path) -> torch.Tensor:
+    """One idx file (the MNIST format: big-endian magic, dims, then the array), gzipped or
+    not. Read here rather than by torchvision, which only opens uncompressed files."""
+    import gzip
+
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        raw = f.read()
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
+        raise ConfigError(f"{path} is not an idx file (bad magic number)")
+    dtypes = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+    if raw[2] not in dtypes:
+        raise ConfigError(f"{path} is not an idx file (unknown type code {raw[2]:#x})")
+    ndim = raw[3]
+    dims = [int.from_bytes(raw[4 + 4 * k : 8 + 4 * k], "big") for k in range(ndim)]
+    offset = 4 + 4 * ndim
+    dtype = np.dtype(dtypes[raw[2]])
+    count = int(np.prod(dims)) if dims else 1
+    if len(raw) - offset != count * dtype.itemsize:
+        raise ConfigError(f"{path}: header says {dims} but the file holds a different size")
+    array = np.frombuffer(raw, dtype=dtype, count=count, offset=offset).reshape(dims)
+    return torch.from_numpy(array.astype(array.dtype.newbyteorder("=")).copy())
 
 
 class MNIST(_TorchvisionSource):
-    """MNIST from torchvision's idx files in ``root/MNIST/raw``."""
+    """MNIST from the idx files in ``root/MNIST/raw`` (gzipped or not)."""
 
     dataset_name = "MNIST"
+    files = {
+        True: ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+        False: ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+    }
+
+    def _find(self, raw: Path, name: str) -> Optional[Path]:
+        for candidate in (raw / name, raw / f"{name}.gz"):
+            if candidate.is_file():
+                return candidate
+        return None
 
     def load(self) -> tuple[InMemory, InMemory]:
         import torchvision.datasets as tvd
 
-        cls = getattr(tvd, self.dataset_name)
+        self._fetch(getattr(tvd, self.dataset_name))
         raw = self.root / self.dataset_name / "raw"
-        try:
-            train = cls(str(self.root), train=True, download=self.download)
-            val = cls(str(self.root), train=False, download=self.download)
-        except RuntimeError as exc:
-            files = ", ".join(Path(u).name.removesuffix(".gz") for u, _ in cls.resources)
+        names = [n for split in (True, False) for n in self.files[split]]
+        missing = [n for n in names if self._find(raw, n) is None]
+        if missing:
             raise ConfigError(
-                f"data={self.dataset_name.lower()}: its files are not in {raw} ({exc}). "
-                f"Put {files} there (gzipped or not), or add data.download=true where a "
-                "network is reachable."
-            ) from None
-        return (
-            self._in_memory(train.data, train.targets, True),
-            self._in_memory(val.data, val.targets, False),
-        )
+                f"data={self.dataset_name.lower()}: {len(missing)} of its files are missing from "
+                f"{raw}. Put {', '.join(names)} there (each plain or gzipped as .gz), point "
+                f"data.root at the folder that holds {self.dataset_name}/raw, or add "
+                "data.download=true where a network is reachable."
+            )
+        out = []
+        for split in (True, False):
+            images, labels = (read_idx(self._find(raw, n)) for n in self.files[split])
+            if images.dim() != 3 or labels.dim() != 1 or len(images) != len(labels):
+                raise ConfigError(
+                    f"data={self.dataset_name.lower()}: {raw}/{self.files[split][0]} holds "
+                    f"{list(images.shape)} images for {list(labels.shape)} labels"
+                )
+            if self.shape is not None and tuple(self.shape) != (1, *images.shape[1:]):
+                raise ConfigError(
+                    f"data.shape={list(self.shape)} but {raw} holds {images.shape[1]}x"
+                    f"{images.shape[2]} grey images: set data.shape=[1,{images.shape[1]},"
+                    f"{images.shape[2]}]"
+                )
+            out.append(self._in_memory(images, labels.long(), train=split))
+        return out[0], out[1]
 
 
 class FashionMNIST(MNIST):
-    """Fashion-MNIST from torchvision's idx files in ``root/FashionMNIST/raw``."""
+    """Fashion-MNIST from the idx files in ``root/FashionMNIST/raw`` (gzipped or not)."""
 
     dataset_name = "FashionMNIST"
+
+
+class _BatchUnpickler(pickle.Unpickler):
+    """Unpickles a CIFAR batch (a dict of bytes, lists and numpy arrays) and nothing else: a
+    batch file is a pickle, and an arbitrary pickle can run code when loaded."""
+
+    ALLOWED = {
+        ("numpy", "ndarray"), ("numpy", "dtype"),
+        ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+        ("_codecs", "encode"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a CIFAR batch")
+        return super().find_class(module, name)
 
 
 class CIFAR10(_TorchvisionSource):
     """CIFAR-10 from the python batches in ``root/cifar-10-batches-py``.
 
-    torchvision checks each batch file's MD5 against the official release; ``verify=false``
-    skips that check for files you made yourself (the tests do).
+    Each batch's MD5 is checked against the official release; ``verify=false`` skips that
+    check for files you made yourself (the tests do). Either way the files are unpickled by a
+    restricted unpickler that only builds numpy arrays, lists and dicts.
     """
 
     def __init__(self, verify: bool = True, **kwargs: Any):
         super().__init__(**kwargs)
         self.verify = verify
 
+    def _read(self, path: Path, md5: str) -> tuple[np.ndarray, list]:
+        from torchvision.datasets.utils import check_integrity
+
+        if self.verify and not check_integrity(str(path), md5):
+            raise ConfigError(
+                f"data=cifar10: {path} is not the official CIFAR-10 file (MD5 mismatch). Replace "
+                "it with the official one, or add data.verify=false for files you made yourself."
+            )
+        try:
+            with open(path, "rb") as f:
+                entry = _BatchUnpickler(f, encoding="latin1").load()
+            data = np.asarray(entry["data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
+            labels = list(entry["labels"] if "labels" in entry else entry["fine_labels"])
+        except (pickle.UnpicklingError, KeyError, ValueError, TypeError, EOFError) as exc:
+            raise ConfigError(f"data=cifar10: {path} is not a CIFAR-10 python batch ({exc})") from None
+        if len(labels) != len(data):
+            raise ConfigError(f"data=cifar10: {path} holds {len(data)} images, {len(labels)} labels")
+        return data, labels
+
     def load(self) -> tuple[InMemory, InMemory]:
         import torchvision.datasets as tvd
 
-        verify = self.verify
-
-        class _CIFAR10(tvd.CIFAR10):
-            def _check_integrity(self) -> bool:
-                if verify:
-                    return super()._check_integrity()
-                base = Path(self.root) / self.base_folder
-                return all((base / name).is_file() for name, _ in self.train_list + self.test_list)
-
+        self._fetch(tvd.CIFAR10)
         folder = self.root / tvd.CIFAR10.base_folder
-        try:
-            train = _CIFAR10(str(self.root), train=True, download=self.download)
-            val = _CIFAR10(str(self.root), train=False, download=self.download)
-        except RuntimeError as exc:
+        missing = [n for n, _ in tvd.CIFAR10.train_list + tvd.CIFAR10.test_list
+                   if not (folder / n).is_file()]
+        if missing:
             raise ConfigError(
-                f"data=cifar10: no usable CIFAR-10 batches in {folder} ({exc}). Put the python "
-                "version's data_batch_1..5 and test_batch there, or add data.download=true "
-                "where a network is reachable."
-            ) from None
-        return (
-            self._in_memory(torch.from_numpy(train.data), train.targets, True),
-            self._in_memory(torch.from_numpy(val.data), val.targets, False),
-        )
+                f"data=cifar10: {', '.join(missing)} not found in {folder}. Put the python "
+                "version's data_batch_1..5 and test_batch there (set data.root to the folder "
+                "that holds cifar-10-batches-py), or add data.download=true where a network "
+                "is reachable."
+            )
+        out = []
+        for files, train in ((tvd.CIFAR10.train_list, True), (tvd.CIFAR10.test_list, False)):
+            parts = [self._read(folder / name, md5) for name, md5 in files]
+            images = torch.from_numpy(np.concatenate([d for d, _ in parts])).permute(0, 2, 3, 1)
+            labels = [label for _, ls in parts for label in ls]
+            out.append(self._in_memory(images, labels, train))
+        return out[0], out[1]
 
 
 class ImageFolder(_TorchvisionSource):

@@ -113,8 +113,14 @@ class Trainer:
         self.memory_format = torch.channels_last if self.t["channels_last"] else torch.preserve_format
         model.to(self.device, memory_format=self.memory_format)
         strategy = self.t["strategy"]
-        if self.t["sync_batchnorm"] and strategy == "ddp":
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        if self.t["sync_batchnorm"]:
+            # torch's SyncBatchNorm has no CPU kernel (config.validate refuses CPU DDP with it);
+            # one process has nothing to synchronise, so there it is ignored.
+            if strategy == "ddp" and self.device.type != "cpu":
+                model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            elif self.ctx.is_main:
+                log.warning("trainer.sync_batchnorm ignored: one process (strategy=%s, %s) has "
+                            "no BatchNorm statistics to synchronise", strategy, self.device.type)
         self.module = model
         if strategy == "ddp":
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -282,6 +288,7 @@ class Trainer:
             else:
                 grads = [p.grad for p in self.params if p.grad is not None]
                 self._grad_norm = nn.utils.get_total_norm(grads) if grads else None
+        self._step_lr = self.optimizer.param_groups[0]["lr"]  # logged: the lr this step used
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -312,7 +319,7 @@ class Trainer:
         values = {
             "train/loss": loss_sum / max(seen, 1),
             "train/acc": correct / max(seen, 1),
-            "train/lr": self.optimizer.param_groups[0]["lr"],
+            "train/lr": self._step_lr,
             "train/samples_per_s": rate,
         }
         if self._grad_norm is not None:

@@ -1,0 +1,348 @@
+"""Datasets from files in their real on-disk formats, the models, and user models, trained a
+few steps through the CLI under each strategy (single, dp, ddp)."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import pickle
+import re
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from conftest import only_run_dir, read_metrics, run_cli
+
+CONF = Path(__file__).resolve().parents[1] / "src" / "ddpexp" / "conf"
+# A couple of optimizer steps, one validation, a TensorBoard point per step.
+TINY = ["trainer.max_steps=2", "trainer.max_epochs=1", "trainer.log_every_n_steps=1",
+        "data.batch_size=4"]
+
+
+# ---------------------------------------------------------------- writers of real formats
+def write_idx(path: Path, array: np.ndarray, gz: bool) -> None:
+    """An idx file as MNIST ships it: 0x0000, type 0x08 (uint8), ndim, big-endian dims, data."""
+    payload = struct.pack(">HBB", 0, 0x08, array.ndim)
+    payload += b"".join(struct.pack(">I", d) for d in array.shape) + array.astype(np.uint8).tobytes()
+    if gz:
+        path = path.with_name(path.name + ".gz")
+        path.write_bytes(gzip.compress(payload))
+    else:
+        path.write_bytes(payload)
+
+
+def write_mnist(root: Path, name: str = "MNIST", gz: bool = True, n_train: int = 24,
+                n_test: int = 8, size: tuple[int, int] = (28, 28)) -> Path:
+    raw = root / name / "raw"
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        write_idx(raw / f"{prefix}-images-idx3-ubyte", rng.integers(0, 256, (n, *size)), gz)
+        write_idx(raw / f"{prefix}-labels-idx1-ubyte", rng.integers(0, 10, n), gz)
+    return raw
+
+
+def write_cifar10(root: Path, per_batch: int = 4) -> Path:
+    """The python version's layout: pickled dicts of a (N, 3072) uint8 array and labels."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        entry = {
+            "batch_label": f"{name} of 5",
+            "labels": rng.integers(0, 10, per_batch).tolist(),
+            "data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+            "filenames": [f"img_{k}.png" for k in range(per_batch)],
+        }
+        (folder / name).write_bytes(pickle.dumps(entry, protocol=2))
+    meta = {"label_names": [f"class{k}" for k in range(10)], "num_cases_per_batch": per_batch}
+    (folder / "batches.meta").write_bytes(pickle.dumps(meta, protocol=2))
+    return folder
+
+
+def write_imagefolder(root: Path, classes=("cat", "dog", "eel"), per_class: int = 3,
+                      size: tuple[int, int] = (10, 7)) -> Path:
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for c in classes:
+            d = root / split / c
+            d.mkdir(parents=True)
+            for k in range(per_class):
+                pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(d / f"{k}.png")
+    return root
+
+
+def trained(cwd: Path, args: list[str], **kw) -> dict:
+    """Run the CLI and return metrics.json after checking that it trained."""
+    run_cli(args, cwd, **kw)
+    metrics = read_metrics(only_run_dir(cwd))
+    assert metrics["status"] == "completed", metrics
+    assert metrics["steps"] >= 1
+    assert 0.0 <= metrics["final"]["val/acc"] <= 1.0
+    return metrics
+
+
+# ---------------------------------------------------------------- datasets
+def test_idx_reader_gzipped_and_plain(tmp_path):
+    from ddpexp.data import read_idx
+
+    a = np.arange(2 * 3 * 5, dtype=np.uint8).reshape(2, 3, 5)
+    write_idx(tmp_path / "plain", a, gz=False)
+    write_idx(tmp_path / "zipped", a, gz=True)
+    assert torch.equal(read_idx(tmp_path / "plain"), torch.from_numpy(a))
+    assert torch.equal(read_idx(tmp_path / "zipped.gz"), torch.from_numpy(a))
+
+
+def test_mnist_gzipped_single(workdir):
+    write_mnist(workdir / "d", gz=True)
+    trained(workdir, ["data=mnist", "data.root=d", "trainer.strategy=single", *TINY])
+
+
+def test_fashion_mnist_plain_dp(workdir):
+    # On the CPU, DP is nn.DataParallel's pass-through: one process, the plain model.
+    write_mnist(workdir / "d", name="FashionMNIST", gz=False)
+    metrics = trained(workdir, ["data=fashion_mnist", "data.root=d", "trainer.strategy=dp", *TINY])
+    assert metrics["world_size"] == 1
+
+
+@pytest.mark.slow
+def test_mnist_resnet18_ddp_two_procs(workdir):
+    """MNIST-format files of 12x12 images, ResNet-18 on 1 channel, 2 gloo ranks."""
+    write_mnist(workdir / "d", gz=True, size=(12, 12))
+    metrics = trained(workdir, ["data=mnist", "data.root=d", "data.shape=[1,12,12]",
+                                "model=resnet18", "trainer.procs=2", *TINY])
+    assert metrics["world_size"] == 2
+
+
+def test_mnist_with_train_transform(workdir):
+    """A per-sample transform moves MNIST off the fast path onto a DataLoader."""
+    write_mnist(workdir / "d", gz=True)
+    trained(workdir, ["data=mnist", "data.root=d", *TINY,
+                      "+data.train_transform=[{_target_: torchvision.transforms.RandomCrop, size: 28, padding: 2}]"])
+
+
+def test_cifar10_python_batches_single(workdir):
+    write_cifar10(workdir / "c")
+    # The default config: RandomCrop + flip per sample on 2 loader workers.
+    metrics = trained(workdir, ["data=cifar10", "data.root=c", "data.verify=false", *TINY])
+    assert metrics["world_size"] == 1
+
+
+def test_mnist_shape_mismatch_is_named(tmp_path):
+    from ddpexp.data import MNIST
+    from ddpexp.errors import ConfigError
+
+    write_mnist(tmp_path, size=(12, 12))
+    with pytest.raises(ConfigError, match=re.escape("set data.shape=[1,12,12]")):
+        MNIST(root=str(tmp_path), shape=[1, 28, 28]).load()
+    train, val = MNIST(root=str(tmp_path), shape=[1, 12, 12], mean=[0.5], std=[0.25]).load()
+    assert train.x.shape == (24, 1, 12, 12) and val.x.shape == (8, 1, 12, 12)
+    assert train.transform is None and -2.0 - 1e-6 <= train.x.min() and train.x.max() <= 2.0 + 1e-6
+
+
+def test_cifar10_refuses_unofficial_files_unless_verify_false(workdir):
+    write_cifar10(workdir / "c")
+    res = run_cli(["data=cifar10", "data.root=c", *TINY], workdir, expect_ok=False)
+    assert res.returncode != 0
+    assert "MD5" in res.stderr and "data.verify=false" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_cifar10_batches_are_not_unpickled_unsafely(tmp_path):
+    from ddpexp.data import CIFAR10
+    from ddpexp.errors import ConfigError
+
+    folder = write_cifar10(tmp_path)
+    # A pickle that would run a command when loaded by pickle.load.
+    (folder / "test_batch").write_bytes(b"cos\nsystem\n(S'echo pwned'\ntR.")
+    with pytest.raises(ConfigError, match="not a CIFAR-10 python batch.*os.system is not allowed"):
+        CIFAR10(root=str(tmp_path), verify=False).load()
+
+
+def test_imagefolder_pngs_with_two_loader_workers(workdir):
+    write_imagefolder(workdir / "imgs")
+    trained(workdir, ["data=imagefolder", "data.root=imgs", "data.shape=[3,6,5]",
+                      "data.num_workers=2", "data.prefetch_factor=3", *TINY])
+
+
+def test_loader_settings_reach_the_dataloader(tmp_path):
+    from torch.utils.data import DataLoader
+
+    from ddpexp.data import ImageFolder, Synthetic, TensorLoader
+
+    write_imagefolder(tmp_path)
+    source = ImageFolder(root=str(tmp_path), shape=[1, 4, 4], batch_size=2, num_workers=2,
+                         pin_memory=False, persistent_workers=True, prefetch_factor=3)
+    train, val = source.load()
+    assert source.num_classes == 3 and train[0][0].shape == (1, 4, 4)
+    loader = source.loader(train, list(range(len(train))), seed=0, on_gpu=False, train=True)
+    assert isinstance(loader, DataLoader)
+    assert (loader.num_workers, loader.pin_memory, loader.persistent_workers,
+            loader.prefetch_factor) == (2, False, True, 3)
+    assert sum(len(y) for _, y in loader) == len(train)
+    # Defaults: pin memory only for a GPU; persistent workers for the training loader only.
+    source = ImageFolder(root=str(tmp_path), shape=[1, 4, 4], batch_size=2, num_workers=1)
+    val_loader = source.loader(val, [0, 1], seed=0, on_gpu=True, train=False)
+    assert val_loader.pin_memory is True and val_loader.persistent_workers is False
+    # The fast path: in-memory, no per-sample transform, fast_path on.
+    syn = Synthetic(num_samples=10, val_samples=4, shape=[2], num_classes=2, batch_size=4)
+    tr, _ = syn.load()
+    fast = syn.loader(tr, list(range(10)), seed=0, on_gpu=False, train=True)
+    assert isinstance(fast, TensorLoader) and [len(y) for _, y in fast] == [4, 4, 2]
+    syn.fast_path = False
+    assert isinstance(syn.loader(tr, list(range(10)), seed=0, on_gpu=False, train=True), DataLoader)
+
+
+def test_missing_files_give_a_clear_message(workdir):
+    """Through the CLI: one message naming the folder and the files, no traceback, exit 1."""
+    res = run_cli(["data=mnist", "data.root=nowhere", *TINY], workdir, expect_ok=False)
+    assert res.returncode != 0
+    assert "Traceback" not in res.stderr
+    raw = workdir / "nowhere" / "MNIST" / "raw"
+    assert f"missing from {raw}" in res.stderr and "train-images-idx3-ubyte" in res.stderr
+    assert "data.download=true" in res.stderr
+    assert not (workdir / "nowhere").exists()  # nothing was fetched or created
+
+
+@pytest.mark.parametrize("name,hint", [
+    ("FashionMNIST", "FashionMNIST/raw. Put train-images-idx3-ubyte"),
+    ("CIFAR10", "cifar-10-batches-py. Put the python version's data_batch_1..5 and test_batch"),
+    ("ImageFolder", "train does not exist. Lay the images out as"),
+])
+def test_missing_files_messages(tmp_path, name, hint):
+    import ddpexp.data
+    from ddpexp.errors import ConfigError
+
+    source = getattr(ddpexp.data, name)(root=str(tmp_path / "none"), shape=[1, 4, 4])
+    with pytest.raises(ConfigError, match=re.escape(f"{tmp_path / 'none'}") + ".*" + re.escape(hint)):
+        source.load()
+    assert not (tmp_path / "none").exists()
+
+
+def test_nothing_is_downloaded_by_default():
+    from ddpexp.data import _TorchvisionSource
+
+    for name in ("mnist", "fashion_mnist", "cifar10"):
+        assert yaml.safe_load((CONF / "data" / f"{name}.yaml").read_text())["download"] is False
+    import inspect
+
+    assert inspect.signature(_TorchvisionSource).parameters["download"].default is False
+
+
+# ---------------------------------------------------------------- models
+@pytest.mark.parametrize("shape", [[1, 1, 1], [3, 5, 9], [2, 17, 4]])
+def test_convnet_any_size(shape):
+    from ddpexp.models import ConvNet
+
+    model = ConvNet(shape, num_classes=3, channels=[4, 8], hidden=8)
+    x = torch.randn(2, *shape)
+    loss = model(x).logsumexp(1).sum()
+    loss.backward()
+    assert model(x).shape == (2, 3)
+
+
+@pytest.mark.parametrize("shape", [[1, 12, 12], [3, 8, 16], [3, 70, 64]])
+def test_resnet18_small_inputs_and_channels(shape):
+    from ddpexp.models import resnet18
+
+    model = resnet18(shape, num_classes=4).eval()
+    with torch.no_grad():
+        assert model(torch.randn(1, *shape)).shape == (1, 4)
+
+
+@pytest.mark.parametrize("model,shape,strategy", [
+    ("convnet", "[1,1,1]", "single"),
+    ("convnet", "[3,5,9]", "dp"),
+    ("mlp", "[2,3]", "single"),
+    ("resnet18", "[1,8,8]", "single"),
+])
+def test_each_model_trains(workdir, model, shape, strategy):
+    trained(workdir, [f"model={model}", "data=synthetic", "data.num_samples=16",
+                      "data.val_samples=4", f"data.shape={shape}", "data.num_classes=3",
+                      f"trainer.strategy={strategy}", *TINY])
+
+
+USER_MODEL = '''
+"""A user's own model, outside ddpexp."""
+import math
+from torch import nn
+
+
+class TinyNet(nn.Module):
+    def __init__(self, shape, classes, width=8):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(shape), width), nn.ReLU(),
+                                 nn.Linear(width, classes))
+
+    def forward(self, x):
+        return self.net(x)
+'''
+
+
+@pytest.fixture
+def user_model(workdir) -> dict:
+    """A model module on PYTHONPATH (so spawned workers import it too) and a config dir whose
+    ``model/tiny.yaml`` points at it and reads the data's shape and classes."""
+    lib = workdir / "userlib"
+    lib.mkdir()
+    (lib / "tiny_user_model.py").write_text(USER_MODEL)
+    (workdir / "myconf" / "model").mkdir(parents=True)
+    (workdir / "myconf" / "model" / "tiny.yaml").write_text(
+        "_target_: tiny_user_model.TinyNet\nshape: ${data.shape}\nclasses: ${data.num_classes}\nwidth: 5\n")
+    path = os.pathsep.join(p for p in (str(lib), os.environ.get("PYTHONPATH")) if p)
+    return {"PYTHONPATH": path}
+
+
+def test_user_model_by_target(workdir, user_model):
+    trained(workdir, ["--config-dir", "myconf", "model=tiny", *TINY], env=user_model)
+    ckpt = torch.load(only_run_dir(workdir) / "checkpoints" / "last.pt", weights_only=True)
+    assert ckpt["model"]["net.1.weight"].shape == (5, 64)  # digits: 1x8x8 -> width 5
+    assert ckpt["model"]["net.3.weight"].shape == (10, 5)
+
+
+@pytest.mark.slow
+def test_user_model_ddp(workdir, user_model):
+    metrics = trained(workdir, ["--config-dir", "myconf", "model=tiny", "trainer.procs=2",
+                                "trainer.strategy=ddp", *TINY], env=user_model)
+    assert metrics["world_size"] == 2
+
+
+def test_non_module_target_is_refused(workdir):
+    res = run_cli(["model._target_=builtins.dict", "~model.input_shape", "~model.num_classes",
+                   "~model.channels", "~model.hidden", "~model.dropout", *TINY],
+                  workdir, expect_ok=False)
+    assert res.returncode != 0 and "not a torch.nn.Module" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+# ---------------------------------------------------------------- docs
+def test_config_reference_lists_every_key():
+    """docs/config.md names every option of every group and every key they and TrainerConfig
+    have, so that the reference cannot fall behind the config."""
+    import dataclasses
+
+    from ddpexp.config import TrainerConfig
+
+    doc = (CONF.parents[2] / "docs" / "config.md").read_text()
+    for f in dataclasses.fields(TrainerConfig):
+        assert f"`trainer.{f.name}`" in doc, f.name
+    for group in ("model", "data", "optimizer", "scheduler"):
+        for path in sorted((CONF / group).glob("*.yaml")):
+            assert f"`{path.stem}`" in doc, f"{group}={path.stem}"
+            node = yaml.safe_load(path.read_text()) or {}
+            for key in node:
+                if key in ("_target_", "_partial_", "defaults", "input_shape", "num_classes") \
+                        and group != "data":
+                    continue
+                if key in ("_target_", "_partial_"):
+                    continue
+                assert f"`{key}`" in doc or f"`{group}.{key}`" in doc, f"{group}/{path.stem}: {key}"
+            if "_target_" in node:
+                assert node["_target_"].rsplit(".", 1)[-1] in doc, node["_target_"]
