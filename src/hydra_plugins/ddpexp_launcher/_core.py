@@ -358,9 +358,21 @@ def _finish(job: Job) -> None:
             why += " after running over hydra.launcher.timeout_s"
         ret = JobReturn(overrides=job.overrides, cfg=job.config, status=JobStatus.FAILED,
                         working_dir=str(job.dir), _return_value=JobFailed(f"job {job.idx}: {why}"))
-    elif job.timed_out and ret.status == JobStatus.FAILED:
-        ret._return_value = JobFailed(f"job {job.idx} ran over hydra.launcher.timeout_s "
-                                      f"and was stopped: {ret._return_value}")
+    elif ret.status == JobStatus.FAILED:
+        exc = ret._return_value
+        if job.timed_out:
+            ret._return_value = JobFailed(f"job {job.idx} ran over hydra.launcher.timeout_s "
+                                          f"and was stopped: {_cause(ret)}")
+        elif not isinstance(exc, CompactHydraException):
+            # Re-raised here, the exception would show a traceback of the launcher, not of
+            # the job; the job's traceback is in its log.
+            log_file = Path(ret.working_dir or job.dir or ".") / f"{ret.task_name or 'job'}.log"
+            if job.dir is not None and job.config is not None:
+                log_file = job.dir / f"{job.config.hydra.job.name}.log"
+            wrapped = JobFailed(f"job {job.idx} failed with {_cause(ret)}\n"
+                                f"(its traceback is in {log_file})")
+            wrapped.original = exc  # type: ignore[attr-defined]
+            ret._return_value = wrapped
     job.ret = ret
 
 
@@ -427,5 +439,6 @@ def _report(launcher: Any, jobs: List[Job], sweep_dir: Path) -> None:
                  report.format_rows(ordered, "text").rstrip())
     failures = [j for j in jobs if j.ret is not None and j.ret.status == JobStatus.FAILED]
     if failures:
-        lines = [f"  {j.label}\n      {_cause(j.ret).strip()}" for j in failures]  # type: ignore[arg-type]
+        lines = [f"  {j.label}\n      " + _cause(j.ret).strip().replace("\n", "\n      ")  # type: ignore[arg-type]
+                 for j in failures]
         log.error("%d of %d job(s) failed:\n%s", len(failures), len(jobs), "\n".join(lines))

@@ -86,11 +86,15 @@ def main(spec_path: str, result_path: str) -> int:
     )
     if ret.status == JobStatus.FAILED and isinstance(ret._return_value, BaseException):
         exc = ret._return_value
-        # A pickled exception loses its traceback; keep the text for the parent's report.
         from hydra.errors import CompactHydraException
 
-        if not isinstance(exc, CompactHydraException) and hasattr(exc, "add_note"):
-            exc.add_note("".join(traceback.format_tb(exc.__traceback__)).rstrip())
+        if not isinstance(exc, CompactHydraException):
+            # The traceback does not survive pickling: keep it in the job's own log.
+            import logging
+
+            logging.getLogger(log_name).error(
+                "job %s failed:\n%s", config.hydra.job.num,
+                "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip())
     data = _portable(ret)
     tmp = result_path + ".tmp"
     with open(tmp, "wb") as f:
