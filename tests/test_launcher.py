@@ -194,3 +194,44 @@ def test_interrupted_sweep_resumes(workdir: Path) -> None:
     assert read_metrics(sweep_dir / "2")["status"] == "completed"
     rows = summary_rows(sweep_dir)
     assert [r["status"] for r in rows] == ["completed"] * 3
+
+
+def test_slices_are_disjoint_and_jobs_wait_for_gpus() -> None:
+    from hydra_plugins.ddpexp_launcher._core import Slices
+
+    cores = sorted(os.sched_getaffinity(0))
+    slices = Slices(2, ["a", "b", "c"])
+    first = slices.take(2)
+    assert first is not None and first[1] == ["a", "b"]
+    if len(cores) >= 2:
+        second = slices.take(1)
+        assert second is not None and second[1] == ["c"] and not set(first[0]) & set(second[0])
+        assert slices.take(0) is None  # every core slice is in use
+        slices.give_back(*second)
+    assert slices.take(2) is None  # only "c" is free: a 2-GPU job waits
+    assert slices.take(5) is None  # more than the pool: waits for the whole pool...
+    slices.give_back(*first)
+    whole = slices.take(5)  # ...and then gets it, to fail with the job's own message
+    assert whole is not None and whole[1] == ["a", "b", "c"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_gpu_jobs_get_their_own_devices(workdir: Path) -> None:
+    import torch
+
+    _, sweep_dir = sweep(workdir, "trainer.gpus=1", "optimizer.lr=0.01,0.1",
+                         "hydra.launcher.max_parallel=2")
+    seen, spans = [], []
+    for d in job_dirs(sweep_dir):
+        assert read_metrics(d)["status"] == "completed"
+        found = re.search(r"CUDA_VISIBLE_DEVICES=(\S+)", (d / "ddpexp.log").read_text())
+        assert found
+        seen.append(found.group(1))
+        spans.append(_log_span(d / "ddpexp.log"))
+    if torch.cuda.device_count() >= 2:
+        assert seen[0] != seen[1]
+    else:  # one GPU: the second job waited for it
+        assert seen[0] == seen[1]
+        (_, end0), (start1, _) = sorted(spans)
+        assert end0 <= start1
