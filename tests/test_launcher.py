@@ -41,8 +41,9 @@ def job_dirs(sweep_dir: Path) -> list[Path]:
 
 
 def test_2x2_sweep_of_ddp_runs(workdir: Path) -> None:
+    # Two jobs at a time (one core each on CI) keeps the test short.
     res, sweep_dir = sweep(workdir, "optimizer.lr=0.01,0.1", "data.batch_size=8,16",
-                           "trainer.procs=2")
+                           "trainer.procs=2", "hydra.launcher.max_parallel=2")
     dirs = job_dirs(sweep_dir)
     assert [d.name for d in dirs] == ["0", "1", "2", "3"]
     for d in dirs:
@@ -111,7 +112,7 @@ def test_max_parallel_runs_jobs_at_once_on_disjoint_cores(workdir: Path) -> None
 def test_failing_jobs_do_not_stop_the_others(workdir: Path) -> None:
     # max_epochs=0 fails ddpexp's config check, lr=-1 fails in torch: both in the job.
     res, sweep_dir = sweep(workdir, "trainer.max_epochs=1,0", "optimizer.lr=0.1,-1",
-                           expect_ok=False)
+                           "hydra.launcher.max_parallel=2", expect_ok=False)
     assert res.returncode != 0
     assert read_metrics(sweep_dir / "0")["status"] == "completed"
     rows = {r["job"]: r for r in summary_rows(sweep_dir)}
@@ -142,7 +143,8 @@ def test_fail_fast_stops_launching(workdir: Path) -> None:
 
 def test_optuna_sweep_through_the_launcher(workdir: Path) -> None:
     res, sweep_dir = sweep(workdir, "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3",
-                           "hydra.sweeper.n_jobs=2", "hydra.sweeper.direction=maximize",
+                           "hydra.sweeper.n_jobs=2", "hydra.launcher.max_parallel=2",
+                           "hydra.sweeper.direction=maximize",
                            "optimizer.lr=interval(0.01,0.2)")
     dirs = job_dirs(sweep_dir)
     assert len(dirs) == 3
