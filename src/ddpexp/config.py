@@ -86,7 +86,7 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="ddpexp_schema", node=DdpexpConfig)
     ConfigStore.instance().store(group="trainer", name="base_trainer", node=TrainerConfig)
     if not OmegaConf.has_resolver("ddpexp.unique_dir"):
-        OmegaConf.register_new_resolver("ddpexp.unique_dir", unique_dir)
+        OmegaConf.register_new_resolver("ddpexp.unique_dir", unique_dir, use_cache=True)
     if not OmegaConf.has_resolver("ddpexp.resume_dir"):
         OmegaConf.register_new_resolver("ddpexp.resume_dir", resume_dir)
     if not OmegaConf.has_resolver("ddpexp.hydra_subdir"):

@@ -17,6 +17,12 @@ class DdpLauncherConf:
     fail_fast: bool = False
     # GPUs the sweep may use (null = all visible); each job takes trainer.gpus of them.
     gpus: Optional[int] = None
+    # Wall-clock limit of one job in seconds (null = none); a job over it is stopped
+    # (SIGTERM, so ddpexp checkpoints) and counts as failed.
+    timeout_s: Optional[float] = None
+    # After SIGTERM (timeout, Ctrl-C, a scheduler's stop), how long a job may take to save
+    # and exit before its whole process group is killed.
+    kill_grace_s: float = 30.0
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="ddp", node=DdpLauncherConf,

@@ -15,10 +15,16 @@ class DdpLauncher(Launcher):
     ``max_parallel`` at a time on disjoint slices of the machine, and summarises the sweep."""
 
     def __init__(self, max_parallel: int = 1, fail_fast: bool = False,
-                 gpus: Optional[int] = None) -> None:
+                 gpus: Optional[int] = None, timeout_s: Optional[float] = None,
+                 kill_grace_s: float = 30.0) -> None:
         self.max_parallel = max_parallel
         self.fail_fast = fail_fast
         self.gpus = gpus
+        self.timeout_s = timeout_s
+        self.kill_grace_s = kill_grace_s
+        # Outcomes of every launch() call of this sweep (optuna launches in batches), by
+        # job subdir: a job that left no metrics.json still gets its row and cause.
+        self.outcomes: dict = {}
         self.config: Optional[DictConfig] = None
         self.task_function: Optional[TaskFunction] = None
         self.hydra_context: Optional[HydraContext] = None

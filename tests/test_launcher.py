@@ -1,0 +1,239 @@
+"""Sweeps end to end through the CLI: every job a real process (and real DDP workers)."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import os
+import re
+import signal
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import finish, read_metrics, run_cli, start_cli
+
+pytestmark = pytest.mark.slow
+
+# Tiny runs: a few steps on a small synthetic dataset.
+TINY = ["data=synthetic", "data.num_samples=64", "data.val_samples=32", "data.shape=[1,8,8]",
+        "data.batch_size=16", "trainer.max_steps=2", "trainer.log_every_n_steps=1"]
+
+
+def sweep(workdir: Path, *overrides: str, expect_ok: bool = True, timeout: float = 300):
+    """Run ``python -m ddpexp -m`` into ``workdir/sweep``; returns (result, sweep dir)."""
+    sweep_dir = workdir / "sweep"
+    res = run_cli(["-m", *TINY, *overrides, f"hydra.sweep.dir={sweep_dir}"], workdir,
+                  timeout=timeout, expect_ok=expect_ok)
+    return res, sweep_dir
+
+
+def summary_rows(sweep_dir: Path) -> list[dict]:
+    with open(sweep_dir / "summary.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def job_dirs(sweep_dir: Path) -> list[Path]:
+    return sorted((p for p in sweep_dir.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+
+
+def test_2x2_sweep_of_ddp_runs(workdir: Path) -> None:
+    # Two jobs at a time (one core each on CI) keeps the test short.
+    res, sweep_dir = sweep(workdir, "optimizer.lr=0.01,0.1", "data.batch_size=8,16",
+                           "trainer.procs=2", "hydra.launcher.max_parallel=2")
+    dirs = job_dirs(sweep_dir)
+    assert [d.name for d in dirs] == ["0", "1", "2", "3"]
+    for d in dirs:
+        for name in (".hydra/config.yaml", ".hydra/overrides.yaml", "ddpexp.log",
+                     "checkpoints/last.pt", "checkpoints/best.pt"):
+            assert (d / name).is_file(), d / name
+        assert list((d / "tb").glob("events.out.tfevents.*")), d
+        metrics = read_metrics(d)
+        assert metrics["status"] == "completed" and metrics["world_size"] == 2
+    # The sweep never re-ran itself: no run dirs other than the 4 jobs.
+    assert not (workdir / "outputs").exists()
+
+    rows = summary_rows(sweep_dir)
+    assert len(rows) == 4
+    by_job = {r["job"]: r for r in rows}
+    for d in dirs:
+        metrics, row = read_metrics(d), by_job[d.name]
+        assert row["status"] == "completed"
+        assert float(row["best"]) == pytest.approx(metrics["best"]["val/acc"])
+        assert float(row["final"]) == pytest.approx(metrics["final"]["val/acc"])
+        assert int(row["steps"]) == 2
+        assert row["overrides"].split() == yaml.safe_load((d / ".hydra/overrides.yaml").read_text())
+    # Later overrides win, as in Hydra: each job got one of the 4 combinations.
+    chosen = {(dict(o.split("=", 1) for o in r["overrides"].split())["optimizer.lr"],
+               dict(o.split("=", 1) for o in r["overrides"].split())["data.batch_size"])
+              for r in rows}
+    assert chosen == set(itertools.product(("0.01", "0.1"), ("8", "16")))
+    bests = [float(r["best"]) for r in rows]
+    assert bests == sorted(bests, reverse=True)  # best job first
+    md = (sweep_dir / "summary.md").read_text()
+    assert md.startswith("| job | overrides | status | final val/acc | best val/acc |")
+    assert md.count("| completed |") == 4
+    assert "best val/acc" in res.stdout and res.stdout.count("completed  ") >= 4
+
+
+LOG_TIME = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]")
+
+
+def _log_span(log: Path) -> tuple[datetime, datetime]:
+    stamps = [datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f")
+              for m in map(LOG_TIME.match, log.read_text().splitlines()) if m]
+    return stamps[0], stamps[-1]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
+def test_max_parallel_runs_jobs_at_once_on_disjoint_cores(workdir: Path) -> None:
+    _, sweep_dir = sweep(workdir, "optimizer.lr=0.01,0.1", "trainer.max_steps=8",
+                         "hydra.launcher.max_parallel=2")
+    cores, spans = [], []
+    for d in job_dirs(sweep_dir):
+        assert read_metrics(d)["status"] == "completed"
+        log = (d / "ddpexp.log").read_text()
+        # Logged by the job process itself from os.sched_getaffinity.
+        found = re.search(r"job \d+: pid \d+, cores ([\d,]+), OMP_NUM_THREADS=(\d+)", log)
+        assert found, log
+        job_cores = {int(c) for c in found.group(1).split(",")}
+        assert int(found.group(2)) == len(job_cores)
+        cores.append(job_cores)
+        spans.append(_log_span(d / "ddpexp.log"))
+    assert len(cores) == 2 and not cores[0] & cores[1]
+    assert cores[0] | cores[1] <= set(os.sched_getaffinity(0))
+    (start0, end0), (start1, end1) = spans
+    assert start0 < end1 and start1 < end0, f"jobs did not overlap: {spans}"
+
+
+def test_failing_jobs_do_not_stop_the_others(workdir: Path) -> None:
+    # max_epochs=0 fails ddpexp's config check, lr=-1 fails in torch: both in the job.
+    res, sweep_dir = sweep(workdir, "trainer.max_epochs=1,0", "optimizer.lr=0.1,-1",
+                           "hydra.launcher.max_parallel=2", expect_ok=False)
+    assert res.returncode != 0
+    assert read_metrics(sweep_dir / "0")["status"] == "completed"
+    rows = {r["job"]: r for r in summary_rows(sweep_dir)}
+    assert [rows[j]["status"] for j in "0123"] == ["completed", "failed", "failed", "failed"]
+    assert "Invalid learning rate" in rows["1"]["error"]
+    assert "trainer.max_epochs=0 must be >= 1" in rows["2"]["error"]
+    assert "optimizer.lr=-1" in rows["1"]["overrides"]
+    assert "3 of 4 job(s) failed" in res.output
+    listed = res.output.split("3 of 4 job(s) failed", 1)[1]
+    for job, overrides in (("#1 : ", "trainer.max_epochs=1 optimizer.lr=-1"),
+                           ("#2 : ", "trainer.max_epochs=0 optimizer.lr=0.1"),
+                           ("#3 : ", "trainer.max_epochs=0 optimizer.lr=-1")):
+        line = next(ln for ln in listed.splitlines() if ln.strip().startswith(job))
+        assert line.endswith(overrides)
+    # The torch error's traceback is in the job's log, not on the terminal.
+    assert "Traceback" in (sweep_dir / "1" / "ddpexp.log").read_text()
+    assert "Traceback" not in res.stderr
+
+
+def test_fail_fast_stops_launching(workdir: Path) -> None:
+    res, sweep_dir = sweep(workdir, "trainer.max_epochs=0,1", "hydra.launcher.fail_fast=true",
+                           expect_ok=False)
+    assert res.returncode != 0
+    assert not (sweep_dir / "1").exists()
+    rows = {r["job"]: r for r in summary_rows(sweep_dir)}
+    assert rows["1"]["status"] == "failed" and "fail_fast" in rows["1"]["error"]
+
+
+def test_optuna_sweep_through_the_launcher(workdir: Path) -> None:
+    res, sweep_dir = sweep(workdir, "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3",
+                           "hydra.sweeper.n_jobs=2", "hydra.launcher.max_parallel=2",
+                           "hydra.sweeper.direction=maximize",
+                           "optimizer.lr=interval(0.01,0.2)")
+    dirs = job_dirs(sweep_dir)
+    assert len(dirs) == 3
+    bests = [read_metrics(d)["best"]["val/acc"] for d in dirs]
+    result = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())
+    # optuna saw the metric each job returned.
+    assert result["best_value"] == pytest.approx(max(bests))
+    assert len(summary_rows(sweep_dir)) == 3
+
+
+def test_submitit_local_sweep_fans_out_workers(workdir: Path) -> None:
+    _, sweep_dir = sweep(workdir, "hydra/launcher=submitit_local", "trainer.procs=1,2")
+    dirs = job_dirs(sweep_dir)
+    assert [d.name for d in dirs] == ["0", "1"]
+    assert [read_metrics(d)["world_size"] for d in dirs] == [1, 2]
+    assert all(read_metrics(d)["status"] == "completed" for d in dirs)
+
+
+def _mtimes(job_dir: Path) -> dict[str, int]:
+    return {str(p.relative_to(job_dir)): p.stat().st_mtime_ns
+            for p in job_dir.rglob("*") if p.is_file()}
+
+
+def test_interrupted_sweep_resumes(workdir: Path) -> None:
+    sweep_dir = workdir / "sweep"
+    # Job 1 is long enough to be stopped mid-run; each epoch is 16 steps.
+    args = ["-m", *TINY, "data.num_samples=256", "trainer.max_epochs=100",
+            "trainer.max_steps=2,300,2", f"hydra.sweep.dir={sweep_dir}"]
+    proc = start_cli(args, workdir)
+    deadline = time.time() + 240
+    while not (sweep_dir / "1" / "checkpoints" / "last.pt").exists():
+        assert proc.poll() is None and time.time() < deadline, "job 1 never saved a checkpoint"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    res = finish(proc, timeout=120)
+    assert not res.leftovers
+    assert res.returncode != 0 and "resume=auto" in res.output
+    assert read_metrics(sweep_dir / "0")["status"] == "completed"
+    assert read_metrics(sweep_dir / "1")["status"] == "interrupted"
+    assert not (sweep_dir / "2").exists()
+    before = _mtimes(sweep_dir / "0")
+
+    res = run_cli([*args, "resume=auto"], workdir, timeout=300)
+    assert _mtimes(sweep_dir / "0") == before  # the completed job was not touched
+    assert "completed before, not run again" in res.output
+    m1 = read_metrics(sweep_dir / "1")
+    assert m1["status"] == "completed" and m1["steps"] == 300
+    assert (sweep_dir / "1" / ".hydra" / "resume-1" / "config.yaml").is_file()
+    assert read_metrics(sweep_dir / "2")["status"] == "completed"
+    rows = summary_rows(sweep_dir)
+    assert [r["status"] for r in rows] == ["completed"] * 3
+
+
+def test_slices_are_disjoint_and_jobs_wait_for_gpus() -> None:
+    from hydra_plugins.ddpexp_launcher._core import Slices
+
+    cores = sorted(os.sched_getaffinity(0))
+    slices = Slices(2, ["a", "b", "c"])
+    first = slices.take(2)
+    assert first is not None and first[1] == ["a", "b"]
+    if len(cores) >= 2:
+        second = slices.take(1)
+        assert second is not None and second[1] == ["c"] and not set(first[0]) & set(second[0])
+        assert slices.take(0) is None  # every core slice is in use
+        slices.give_back(*second)
+    assert slices.take(2) is None  # only "c" is free: a 2-GPU job waits
+    assert slices.take(5) is None  # more than the pool: waits for the whole pool...
+    slices.give_back(*first)
+    whole = slices.take(5)  # ...and then gets it, to fail with the job's own message
+    assert whole is not None and whole[1] == ["a", "b", "c"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_gpu_jobs_get_their_own_devices(workdir: Path) -> None:
+    import torch
+
+    _, sweep_dir = sweep(workdir, "trainer.gpus=1", "optimizer.lr=0.01,0.1",
+                         "hydra.launcher.max_parallel=2")
+    seen, spans = [], []
+    for d in job_dirs(sweep_dir):
+        assert read_metrics(d)["status"] == "completed"
+        found = re.search(r"CUDA_VISIBLE_DEVICES=(\S+)", (d / "ddpexp.log").read_text())
+        assert found
+        seen.append(found.group(1))
+        spans.append(_log_span(d / "ddpexp.log"))
+    if torch.cuda.device_count() >= 2:
+        assert seen[0] != seen[1]
+    else:  # one GPU: the second job waited for it
+        assert seen[0] == seen[1]
+        (_, end0), (start1, _) = sorted(spans)
+        assert end0 <= start1
