@@ -157,6 +157,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="ddpexp-report", description=main.__doc__)
     parser.add_argument("dir", type=Path, help="a sweep dir, a run dir or outputs/")
     parser.add_argument("--format", "-f", choices=FORMATS, default="text")
+    parser.add_argument("--plot", type=Path, metavar="FILE.png",
+                        help="also draw the runs' validation curves (val/acc, val/loss), one line per run")
     args = parser.parse_args(argv)
     if not args.dir.is_dir():
         parser.error(f"{args.dir} is not a directory")
@@ -165,7 +167,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"no runs under {args.dir}", file=sys.stderr)
         return 1
     sys.stdout.write(format_rows(rows, args.format))
+    if args.plot is not None:
+        from ddpexp.plot import plot_curves
+
+        varying = _varying_overrides(rows)
+        runs = [(_label(r, varying), Path(r.dir)) for r in rows if r.dir]
+        drawn = plot_curves(runs, args.plot)
+        print(f"wrote {args.plot}: {drawn} runs, one curve each", file=sys.stderr)
     return 0
+
+
+def _label(row: Row, varying: Optional[set]) -> str:
+    shown = [o for o in row.overrides if varying is None or o in varying]
+    return f"{row.job}: {' '.join(shown)}" if shown else row.job
 
 
 # ------------------------------------------------------------------------------ helpers

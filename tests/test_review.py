@@ -1,5 +1,6 @@
-"""What TensorBoard shows, read back with TensorBoard's own reader: every scalar of a run and
-the HParams data of each job of a sweep, matched against metrics.json."""
+"""Reviewing runs: what TensorBoard shows (read back with TensorBoard's own reader: every
+scalar of a run, the HParams data of each job of a sweep, matched against metrics.json) and
+the report's table and plot of a real sweep."""
 
 from __future__ import annotations
 
@@ -83,3 +84,40 @@ def test_hparams_of_each_sweep_job(sweep):
         assert acc.Scalars("val/loss")[-1].value == pytest.approx(m["final"]["val/loss"])
         assert acc.Scalars("best/val/acc")[-1].value == pytest.approx(m["best"]["val/acc"])
     assert seen == {("sgd", 0.01), ("sgd", 0.2), ("adam", 0.01), ("adam", 0.2)}
+
+
+def test_report_on_a_real_sweep(sweep):
+    import csv
+    import io
+    import json
+    import subprocess
+    import sys
+
+    def report(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ddpexp.report", str(sweep), *args],
+                              capture_output=True, text=True, timeout=120, check=True)
+
+    best = {str(j): read_metrics(sweep / str(j))["best"]["val/acc"] for j in range(4)}
+    order = sorted(best, key=lambda j: (-best[j], int(j)))
+    rows = json.loads(report("--format", "json").stdout)
+    assert [r["job"] for r in rows] == order
+    assert [r["best"] for r in rows] == [pytest.approx(best[j]) for j in order]
+    assert all(r["status"] == "completed" and r["epochs"] == 3 for r in rows)
+    table = list(csv.DictReader(io.StringIO(report("--format", "csv").stdout)))
+    assert [r["job"] for r in table] == order and "optimizer.lr=" in table[0]["overrides"]
+    md = report("--format", "md").stdout.splitlines()
+    assert md[0].startswith("| job | overrides | status | final val/acc | best val/acc |")
+    assert len(md) == 2 + 4
+    text = report().stdout.splitlines()
+    assert text[0].split()[:3] == ["job", "overrides", "status"] and len(text) == 5
+    # The sweep summary the launcher wrote holds the same rows in the same order.
+    summary = list(csv.DictReader(open(sweep / "summary.csv")))
+    assert [r["job"] for r in summary] == order
+
+    png = sweep.parent / "curves.png"
+    res = report("--plot", str(png))
+    assert "4 runs, one curve each" in res.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    assert matplotlib.image.imread(png).shape[2] in (3, 4)
