@@ -439,7 +439,7 @@ class Trainer:
             self.module.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             if self.scheduler is not None and state.get("scheduler") is not None:
-                self.scheduler.load_state_dict(state["scheduler"])
+                self.scheduler.load_state_dict(_schedule_progress(state["scheduler"]))
             if state.get("scaler") is not None and self.scaler.is_enabled():
                 self.scaler.load_state_dict(state["scaler"])
         except (RuntimeError, KeyError, ValueError) as exc:
@@ -503,6 +503,16 @@ class Trainer:
 
     def _write_metrics(self, result: dict) -> None:
         write_metrics(self.run_dir, result)
+
+
+def _schedule_progress(state: dict) -> dict:
+    """A scheduler state without LambdaLR's saved lr-multiplier attributes: the schedule's
+    shape (total steps, warm-up) comes from this run's config, only its progress from the
+    checkpoint. Otherwise a run first stopped by a smaller max_steps/max_epochs would keep
+    that run's length after ``resume=`` extends it."""
+    if "lr_lambdas" not in state:
+        return state
+    return {**state, "lr_lambdas": [None] * len(state["lr_lambdas"])}
 
 
 def write_metrics(run_dir: Path, result: dict) -> None:
