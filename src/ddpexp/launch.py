@@ -116,6 +116,8 @@ def run(cfg: DictConfig) -> Optional[float]:
         raise ConfigError(f"the config does not resolve: {exc}") from None
     plain["trainer"].update(strategy=plan.strategy, procs=plan.procs)
     resume = checkpoint.find(cfg.resume, run_dir)
+    if resume is not None:
+        checkpoint.verify(resume)
     payload = WorkerPayload(
         config=plain,
         run_dir=str(run_dir),
