@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import finish, read_metrics, run_cli, start_cli
+from conftest import finish, read_metrics, run_cli, session_pids, start_cli
 from test_checkpoint_resume import assert_same_final_state, new_run
 
 # No schedule (so the run's length does not shape the lr) and a huge max_epochs: the signal
@@ -133,3 +133,38 @@ def test_sigusr2_is_not_a_stop_signal_outside_slurm(monkeypatch):
     assert stop_signals() == (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
     monkeypatch.setenv("SUBMITIT_PREEMPT_SIGNAL", "USR1")
     assert stop_signals() == (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+def _submitit_task(sid: int) -> int | None:
+    """The pid of the submitit task (the process running the Hydra job) in session ``sid``."""
+    for pid in session_pids(sid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"submitit.core._submit" in cmdline:
+            return pid
+    return None
+
+
+@pytest.mark.slow
+def test_submitit_local_preemption_requeues_and_continues(workdir):
+    """End to end with Hydra's submitit_local launcher: SIGUSR2 to the job checkpoints,
+    submitit requeues the job, and the requeued job continues to the uninterrupted result."""
+    args = [*LONG, "trainer.max_epochs=100"]
+    sweep = workdir / "sweep"
+    proc = start_cli(["-m", "hydra/launcher=submitit_local", f"hydra.sweep.dir={sweep}", *args],
+                     workdir)
+    wait_for(sweep / "0" / "checkpoints" / "last.pt", proc)
+    task = _submitit_task(proc.pid)
+    assert task is not None, "no submitit task process found"
+    os.kill(task, signal.SIGUSR2)
+    res = finish(proc, 300)
+    assert not res.leftovers and res.returncode == 0, res.output
+    run_dir = sweep / "0"
+    log = (run_dir / "ddpexp.log").read_text()
+    assert "SIGUSR2: stopped at epoch" in log
+    assert "handing the signal to submitit to requeue the job" in log
+    assert f"requeued submitit job: continuing {run_dir}/checkpoints/last.pt" in log
+    reference = new_run(workdir, args)
+    assert_same_final_state(run_dir, reference)

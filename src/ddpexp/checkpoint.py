@@ -24,6 +24,7 @@ once::
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import random
@@ -139,10 +140,11 @@ def load(path: Path | str, map_location: Any = "cpu", mmap: bool = False) -> dic
     try:
         try:
             ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
-        except RuntimeError as exc:
-            if not (mmap and "mmap can only be used" in str(exc)):
+        except (RuntimeError, OSError):
+            if not mmap:
                 raise
-            # A legacy (non-zip) file cannot be mapped; read it, still weights_only.
+            # A legacy (non-zip) file cannot be mapped, and a truncated one fails mapping
+            # with a bare EINVAL: read it, still weights_only, for the real reason.
             ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
         if "weights_only" in str(exc) or "Weights only" in str(exc):
@@ -167,6 +169,8 @@ def verify(path: Path | str) -> None:
 
 def _corrupt(path: Path, exc: BaseException) -> CheckpointError:
     reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, OSError) and exc.errno == errno.EINVAL:
+        reason = "not a complete checkpoint archive"  # what torch reports for a cut-off file
     other = path.with_name(BEST if path.name != BEST else LAST)
     alternative = f"another checkpoint (e.g. resume={other})" if other.is_file() else \
         "another checkpoint"
