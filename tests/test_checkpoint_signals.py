@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import finish, read_metrics, run_cli, session_pids, start_cli
-from test_checkpoint_resume import assert_same_final_state, new_run
+from test_checkpoint_resume import assert_same_final_state, assert_tensorboard_continues, new_run
 
 # No schedule (so the run's length does not shape the lr) and a huge max_epochs: the signal
 # always lands mid-run however slow the machine is; the resumed and the reference runs then
@@ -168,3 +168,23 @@ def test_submitit_local_preemption_requeues_and_continues(workdir):
     assert f"requeued submitit job: continuing {run_dir}/checkpoints/last.pt" in log
     reference = new_run(workdir, args)
     assert_same_final_state(run_dir, reference)
+
+
+@pytest.mark.slow
+def test_worker_killed_group_restarts_from_last_checkpoint(workdir):
+    """trainer.max_restarts: SIGKILL of one worker restarts the group, which resumes from
+    last.pt and ends exactly where an uninterrupted run ends, TensorBoard without repeats."""
+    args = [*LONG, "trainer.procs=2", "trainer.max_epochs=30"]
+    run_dir = workdir / "outputs" / "restarted"
+    proc = start_cli([*args, "trainer.max_restarts=1", f"hydra.run.dir={run_dir}"], workdir)
+    wait_for(run_dir / "checkpoints" / "last.pt", proc)
+    workers = [pid for pid in session_pids(proc.pid)
+               if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(workers) == 2, workers
+    os.kill(max(workers), signal.SIGKILL)
+    res = finish(proc, 180)
+    assert not res.leftovers and res.returncode == 0, res.output
+    assert "restart 1 of the worker group: resuming from" in res.output
+    reference = new_run(workdir, args)
+    assert_same_final_state(run_dir, reference)
+    assert_tensorboard_continues(run_dir, reference)
