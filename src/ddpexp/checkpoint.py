@@ -24,6 +24,7 @@ once::
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import random
@@ -127,13 +128,24 @@ def remove_stale_temporaries(directory: Path) -> list[Path]:
     return removed
 
 
-def load(path: Path | str, map_location: Any = "cpu") -> dict:
-    """Read a checkpoint with ``weights_only=True``; anything else is a clear error."""
+def load(path: Path | str, map_location: Any = "cpu", mmap: bool = False) -> dict:
+    """Read a checkpoint with ``weights_only=True``; anything else is a clear error.
+
+    ``mmap=True`` maps the tensors instead of reading them: the whole (safe) unpickling and
+    the archive's structure are still checked, at little cost, which is what :func:`verify`
+    uses before a run starts."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        try:
+            ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        except (RuntimeError, OSError):
+            if not mmap:
+                raise
+            # A legacy (non-zip) file cannot be mapped, and a truncated one fails mapping
+            # with a bare EINVAL: read it, still weights_only, for the real reason.
+            ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
         if "weights_only" in str(exc) or "Weights only" in str(exc):
             raise CheckpointError(
@@ -149,11 +161,22 @@ def load(path: Path | str, map_location: Any = "cpu") -> dict:
     return ckpt
 
 
+def verify(path: Path | str) -> None:
+    """Check, before any worker starts, that ``path`` loads safely: a corrupt or unsafe file
+    then fails the command at once, before the run dir's metrics.json is touched."""
+    load(path, mmap=True)
+
+
 def _corrupt(path: Path, exc: BaseException) -> CheckpointError:
     reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, OSError) and exc.errno == errno.EINVAL:
+        reason = "not a complete checkpoint archive"  # what torch reports for a cut-off file
+    other = path.with_name(BEST if path.name != BEST else LAST)
+    alternative = f"another checkpoint (e.g. resume={other})" if other.is_file() else \
+        "another checkpoint"
     return CheckpointError(
-        f"checkpoint {path} is truncated or corrupt ({reason}). Point resume= at another "
-        f"checkpoint, e.g. {path.with_name(BEST)}, or start afresh."
+        f"checkpoint {path} is truncated or corrupt ({reason}). Point resume= at "
+        f"{alternative}, or start afresh."
     )
 
 

@@ -73,8 +73,24 @@ def init_process_group(ctx: DistContext, timeout_s: float, force: bool = False) 
                                 timeout=timeout)
         return
     kwargs = {"device_id": ctx.device} if backend == "nccl" else {}
-    dist.init_process_group(backend, init_method="env://", rank=ctx.rank,
-                            world_size=ctx.world_size, timeout=timeout, **kwargs)
+    if ctx.restart > 0:
+        # After an elastic restart the agent's store still holds the first round's keys
+        # (the dead workers' gloo/NCCL addresses), and env:// would read them: the new
+        # group then hangs connecting to ports nobody listens on. A prefix per restart
+        # gives each round its own keys.
+        kwargs["store"] = dist.PrefixStore(f"ddpexp/restart-{ctx.restart}", _env_store(ctx, timeout))
+    else:
+        kwargs["init_method"] = "env://"
+    dist.init_process_group(backend, rank=ctx.rank, world_size=ctx.world_size,
+                            timeout=timeout, **kwargs)
+
+
+def _env_store(ctx: DistContext, timeout: timedelta) -> dist.Store:
+    """A client of the store at MASTER_ADDR:MASTER_PORT (the elastic agent's, or rank 0's)."""
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                         ctx.world_size, is_master=not agent_hosts and ctx.rank == 0,
+                         timeout=timeout)
 
 
 def destroy_process_group() -> None:

@@ -4,6 +4,8 @@ They derive from Hydra's ``CompactHydraException``: Hydra then prints just the m
 stderr and exits 1, and ``HYDRA_FULL_ERROR=1`` still shows the whole traceback.
 """
 
+from __future__ import annotations
+
 from hydra.errors import CompactHydraException
 
 
@@ -24,4 +26,9 @@ class RunFailed(DdpexpError):
 
 
 class RunInterrupted(DdpexpError):
-    """SIGTERM/SIGINT stopped the run after a checkpoint; the message says how to resume."""
+    """SIGTERM/SIGINT stopped the run after a checkpoint; the message says how to resume.
+    ``signal`` names the signal (e.g. ``"SIGUSR2"``) where it is known."""
+
+    def __init__(self, message: str, signal: str | None = None):
+        super().__init__(message)
+        self.signal = signal

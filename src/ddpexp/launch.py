@@ -116,6 +116,15 @@ def run(cfg: DictConfig) -> Optional[float]:
         raise ConfigError(f"the config does not resolve: {exc}") from None
     plain["trainer"].update(strategy=plan.strategy, procs=plan.procs)
     resume = checkpoint.find(cfg.resume, run_dir)
+    if resume is None and cfg.resume is None and under_submitit():
+        # A submitit job requeued after SLURM's pre-timeout signal runs again in its own job
+        # dir with the same overrides: the checkpoint it saved there is where it continues.
+        last = run_dir / "checkpoints" / checkpoint.LAST
+        if last.is_file():
+            log.info("requeued submitit job: continuing %s", last)
+            resume = last
+    if resume is not None:
+        checkpoint.verify(resume)
     payload = WorkerPayload(
         config=plain,
         run_dir=str(run_dir),
@@ -128,20 +137,58 @@ def run(cfg: DictConfig) -> Optional[float]:
              " (SLURM tasks)" if _slurm_ranks() else "", plan.strategy,
              f"{plan.gpus} GPU(s) per node" if plan.gpus else "CPU")
     started = time.time()
+    preempt = Preemption()
     try:
         result = _dispatch(plan, cfg, payload)
+    except RunInterrupted as exc:
+        _record_failure(run_dir, exc, started)
+        preempt.requeue(exc.signal)
+        raise
     except DdpexpError as exc:
         _record_failure(run_dir, exc, started)
         raise
     if result is None:  # not global rank 0 of a SLURM step
         return None
     if result["status"] == "interrupted":
-        raise RunInterrupted(_resume_hint(run_dir, hydra_cfg))
+        by = result.get("stopped_by")
+        preempt.requeue(by)
+        raise RunInterrupted((f"stopped by {by}; " if by else "") + _resume_hint(run_dir, hydra_cfg),
+                             signal=by)
     best = result["best"].get(result["monitor"])
     log.info("%s: %d epochs, %d steps, best %s %s; run dir %s", result["status"],
              result["epochs"], result["steps"], result["monitor"],
              "n/a" if best is None else f"{best:.4f}", run_dir)
     return best
+
+
+def under_submitit() -> bool:
+    """Whether this process is a submitit job (Hydra's submitit_local/submitit_slurm)."""
+    return any(key.startswith("SUBMITIT_") for key in os.environ)
+
+
+class Preemption:
+    """SLURM's pre-timeout signal under submitit: submitit's handler for it requeues the job
+    (and exits). ddpexp's workers take that signal first, to checkpoint; once they have, the
+    handler that was installed before the run is called, so that the requeue still happens."""
+
+    def __init__(self) -> None:
+        import signal
+
+        from ddpexp.trainer import stop_signals
+
+        self.handlers = {sig.name: signal.getsignal(sig) for sig in stop_signals()
+                         if sig not in (signal.SIGTERM, signal.SIGINT)}
+
+    def requeue(self, signal_name: Optional[str]) -> None:
+        """Hand ``signal_name`` on to the pre-run handler if it is a pre-timeout signal that
+        a Python handler (submitit's) was waiting for; that handler usually exits."""
+        import signal
+
+        handler = self.handlers.get(signal_name or "")
+        if callable(handler):
+            log.warning("%s: checkpoint saved; handing the signal to submitit to requeue the job",
+                        signal_name)
+            handler(getattr(signal, signal_name), None)
 
 
 def _dispatch(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
@@ -193,8 +240,11 @@ def _elastic(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    import signal
+
     from ddpexp.dist import free_port
-    from ddpexp.worker import run_worker
+    from ddpexp.trainer import stop_signals
+    from ddpexp.worker import EXIT_INTERRUPTED, run_worker
 
     t = cfg.trainer
     env_keys = {}
@@ -206,11 +256,6 @@ def _elastic(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
     else:
         endpoint, local_addr = str(t.rdzv_endpoint), None
         run_id = "ddpexp-" + endpoint.replace(":", "-")
-    if t.max_restarts > 0:
-        # Workers of a restart round must not share the rendezvous store with the failed round:
-        # with torch's shared store they read the dead round's gloo addresses and fail to
-        # connect (seen on torch 2.14). A fresh store per round avoids that.
-        env_keys["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     for key, value in env_keys.items():
         os.environ.setdefault(key, value)
     # The agent logs each failed worker's traceback; the run's own message names the rank and
@@ -233,15 +278,26 @@ def _elastic(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
         local_addr=local_addr,
         logs_specs=DefaultLogsSpecs(log_dir=None),
         shutdown_timeout=int(t.shutdown_grace_s),
+        # The agent forwards these to the workers, which stop at a step boundary, checkpoint
+        # and exit; it SIGKILLs those still running after shutdown_timeout.
+        signals_to_handle=",".join(sig.name for sig in stop_signals()) + ",SIGHUP,SIGQUIT",
     )
+    # The agent replaces these handlers and never puts them back.
+    saved = {sig: signal.getsignal(sig) for sig in (*stop_signals(), signal.SIGHUP, signal.SIGQUIT)}
     try:
         results = elastic_launch(config, run_worker)(payload)
     except ChildFailedError as exc:
+        if all(f.exitcode == EXIT_INTERRUPTED for f in exc.failures.values()):
+            raise RunInterrupted(_resume_hint(Path(payload.run_dir), None)) from None
         raise RunFailed(_describe_failure(exc)) from None
     except SignalException as exc:
         raise RunInterrupted(
-            f"stopped by {exc.sigval.name}; " + _resume_hint(Path(payload.run_dir), None)
+            f"stopped by {exc.sigval.name}; " + _resume_hint(Path(payload.run_dir), None),
+            signal=exc.sigval.name,
         ) from None
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
     return results.get(0)
 
 
@@ -281,9 +337,19 @@ def _cause(failure: Any) -> str:
 
 
 def _resume_hint(run_dir: Path, hydra_cfg: Any) -> str:
+    """How to continue: the same command line with ``resume=<run dir>``."""
+    import shlex
+
+    from hydra.core.hydra_config import HydraConfig
+
+    if hydra_cfg is None and HydraConfig.initialized():
+        hydra_cfg = HydraConfig.get()
+    overrides = list(hydra_cfg.overrides.task) if hydra_cfg is not None else []
+    kept = [o for o in overrides if not o.split("=", 1)[0].lstrip("+~") in ("resume", "hydra.run.dir")]
+    args = " ".join(shlex.quote(a) for a in [f"resume={run_dir}", *kept])
     return (
         f"the last checkpoint is in {run_dir}/checkpoints. Continue it with:\n"
-        f"  python -m ddpexp resume={run_dir} <the same overrides>"
+        f"  python -m ddpexp {args}"
     )
 
 

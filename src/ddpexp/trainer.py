@@ -34,18 +34,34 @@ log = logging.getLogger("ddpexp")
 METRICS_FILE = "metrics.json"
 
 
-class StopRequested:
-    """Turns SIGTERM/SIGINT into a flag the loop checks at step boundaries; a second signal
-    of the same kind raises ``KeyboardInterrupt`` at once."""
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """The signals that stop a run with a checkpoint: SIGTERM and SIGINT, plus the
+    pre-timeout signal of a SLURM job (submitit's ``SUBMITIT_PREEMPT_SIGNAL``, SIGUSR2 by
+    default), which only a SLURM or submitit job is sent."""
+    sigs = [signal.SIGTERM, signal.SIGINT]
+    if any(k.startswith("SUBMITIT_") for k in os.environ) or "SLURM_JOB_ID" in os.environ:
+        name = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")
+        preempt = getattr(signal, name if name.startswith("SIG") else "SIG" + name, None)
+        if preempt is not None and preempt not in sigs:
+            sigs.append(preempt)
+    return tuple(sigs)
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+class StopRequested:
+    """Turns the :func:`stop_signals` into a flag the loop checks at step boundaries.
+
+    In a process of its own (no elastic agent) a second signal raises ``KeyboardInterrupt``
+    at once, for a user who presses Ctrl-C twice. Under torch elastic a second one is
+    ignored: Ctrl-C reaches a worker both from the terminal and forwarded by the agent, and
+    the agent itself kills workers that overrun ``trainer.shutdown_grace_s``."""
 
     def __init__(self) -> None:
         self.signum: Optional[int] = None
+        self.escalate = "TORCHELASTIC_RUN_ID" not in os.environ
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> "StopRequested":
-        for sig in self.SIGNALS:
+        for sig in stop_signals():
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -55,7 +71,9 @@ class StopRequested:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signum is not None:
-            raise KeyboardInterrupt
+            if self.escalate:
+                raise KeyboardInterrupt
+            return
         self.signum = signum
 
     def __bool__(self) -> bool:
@@ -244,6 +262,8 @@ class Trainer:
             self.step += 1
             if log_now:
                 self._log_step()  # also agrees on self.stopping across ranks
+            elif self.ctx.world_size == 1 and self.stop:
+                self.stopping = True  # nobody to agree with: stop at this step
             if self.stopping or self._steps_done():
                 return self.batch >= self.batches_per_epoch
             every = self.t["ckpt_every_steps"]
@@ -446,7 +466,7 @@ class Trainer:
             self.module.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             if self.scheduler is not None and state.get("scheduler") is not None:
-                self.scheduler.load_state_dict(state["scheduler"])
+                self.scheduler.load_state_dict(_schedule_progress(state["scheduler"]))
             if state.get("scaler") is not None and self.scaler.is_enabled():
                 self.scaler.load_state_dict(state["scaler"])
         except (RuntimeError, KeyError, ValueError) as exc:
@@ -506,10 +526,22 @@ class Trainer:
             "history": self.history,
             "world_size": self.ctx.world_size,
             "wall_time_s": round(time.time() - self.started, 3),
+            **({"stopped_by": signal.Signals(self.stop.signum).name}
+               if self.status == "interrupted" and self.stop.signum else {}),
         }
 
     def _write_metrics(self, result: dict) -> None:
         write_metrics(self.run_dir, result)
+
+
+def _schedule_progress(state: dict) -> dict:
+    """A scheduler state without LambdaLR's saved lr-multiplier attributes: the schedule's
+    shape (total steps, warm-up) comes from this run's config, only its progress from the
+    checkpoint. Otherwise a run first stopped by a smaller max_steps/max_epochs would keep
+    that run's length after ``resume=`` extends it."""
+    if "lr_lambdas" not in state:
+        return state
+    return {**state, "lr_lambdas": [None] * len(state["lr_lambdas"])}
 
 
 def write_metrics(run_dir: Path, result: dict) -> None:

@@ -17,6 +17,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 log = logging.getLogger("ddpexp")
 
+# The exit status of a worker that stopped on a signal after its checkpoint (EX_TEMPFAIL).
+EXIT_INTERRUPTED = 75
+
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s]{rank} - %(message)s"
 
 
@@ -62,6 +65,8 @@ def set_threads(local_world_size: int) -> None:
 @record
 def run_worker(payload: WorkerPayload) -> Optional[dict]:
     """Train as one rank; global rank 0 returns the run's metrics, the others ``None``."""
+    import torch.distributed as dist
+
     from ddpexp import dist as ddist
     from ddpexp.checkpoint import LAST
     from ddpexp.trainer import Trainer
@@ -84,11 +89,21 @@ def run_worker(payload: WorkerPayload) -> Optional[dict]:
     try:
         trainer = Trainer(cfg, ctx, Path(payload.run_dir), payload.hparams)
         result = trainer.fit(Path(resume_from) if resume_from else None)
+        interrupted = result["status"] == "interrupted"
+        if interrupted and ctx.world_size > 1:
+            dist.barrier()  # rank 0 has written metrics.json: nobody exits before that
     except Exception:
         _log_traceback(payload.log_file, ctx.rank)
         raise
     finally:
         ddist.destroy_process_group()
+    if interrupted and "TORCHELASTIC_RUN_ID" in os.environ:
+        # torch elastic's worker wrapper would now wait for the agent to collect the return
+        # value, but an agent shutting down on a signal never does: it would wait
+        # trainer.shutdown_grace_s and then SIGKILL. The checkpoint is on disk: exit now,
+        # with a code the launcher reads as "interrupted" should the agent not be stopping.
+        logging.shutdown()
+        raise SystemExit(EXIT_INTERRUPTED)
     return result if ctx.is_main else None
 
 
