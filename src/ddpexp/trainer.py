@@ -186,6 +186,7 @@ class Trainer:
         self._loss_sum, self._correct, self._seen = zero.clone(), zero.clone(), 0
         self._last_log_time = time.perf_counter()
         self._grad_norm: Optional[torch.Tensor] = None
+        self._first_step_pending = True
 
     # ------------------------------------------------------------------ the run
     def fit(self, resume_from: Optional[Path] = None) -> dict:
@@ -260,6 +261,8 @@ class Trainer:
             log_now = (self.step + 1) % self.t["log_every_n_steps"] == 0
             self._optimizer_step(log_now)
             self.step += 1
+            if self._first_step_pending:
+                self._log_first_step()
             if log_now:
                 self._log_step()  # also agrees on self.stopping across ranks
             elif self.ctx.world_size == 1 and self.stop:
@@ -314,6 +317,15 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
+
+    def _log_first_step(self) -> None:
+        """Record start-up cost once per session: ``time/first_step_s`` is the seconds from
+        the end of the trainer's set-up (data, model, optimizer built) to the end of its
+        first optimizer step; the event's wall time, when that step ended, is what
+        scripts/bench.py reads."""
+        self._first_step_pending = False
+        if self.tb is not None:
+            self.tb.scalars(self.step, {"time/first_step_s": time.time() - self.started})
 
     def _reduce(self, *values: torch.Tensor | float) -> list[float]:
         """Sum scalars over all ranks in one collective (the stop flag rides along)."""

@@ -1,0 +1,63 @@
+"""scripts/bench.py runs end to end on a tiny case and prints every figure (not their values:
+timings on a shared 2-core machine are not something a test can hold to)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import finish
+
+ROOT = Path(__file__).resolve().parent.parent
+COLUMNS = ["case", "runner", "samples/s", "ratio", "wall s", "peak MiB", "first step s"]
+
+
+def _number(cell: str) -> float:
+    match = re.fullmatch(r"(-?\d+(?:\.\d+)?)(?: \(wall\))?", cell.strip())
+    assert match, f"not a number: {cell!r}"
+    return float(match.group(1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_bench_quick_prints_every_figure(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick"], cwd=tmp_path, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    res = finish(proc, timeout=840)
+    assert res.returncode == 0, res.output
+    assert not res.leftovers, f"processes left behind: {res.leftovers}"
+
+    lines = [line for line in res.stdout.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert header == COLUMNS
+    rows = {}
+    for line in lines[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[(cells[0].split(" ")[0], cells[1])] = dict(zip(COLUMNS, cells))
+    expected = {("overhead", r) for r in ("ddpexp", "ddpexp-dl", "plain")}
+    expected |= {("compute", r) for r in ("ddpexp", "ddpexp-dl", "plain")}
+    expected |= {("startup", "ddpexp"), ("startup", "plain"), ("sweep", "ddpexp"), ("sweep", "plain")}
+    assert set(rows) == expected
+
+    for (case, runner), row in rows.items():
+        # Every run has a wall time and a memory peak, and they are positive.
+        assert _number(row["wall s"]) > 0 and _number(row["peak MiB"]) > 0
+        if case in ("overhead", "compute"):
+            assert _number(row["samples/s"]) > 0
+        if case != "sweep":
+            assert _number(row["first step s"]) > 0
+        if runner != "plain" and case != "startup":
+            assert _number(row["ratio"]) > 0
+
+    # One verdict per target, each saying met or NOT met.
+    for name in ("overhead", "compute", "startup", "sweep"):
+        verdict = [line for line in res.stdout.splitlines() if line.startswith(name + ":")]
+        assert len(verdict) == 1 and re.search(r"(met|NOT met)", verdict[0]), res.stdout
