@@ -19,8 +19,13 @@ def main(cfg: DictConfig) -> Optional[float]:
     return run(cfg)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """Console entry point (``ddpexp`` and ``python -m ddpexp``)."""
     main()  # a failure leaves through sys.exit inside Hydra, with its own exit code
     from ddpexp.proc import exit_now
 
     exit_now(0)  # skips the 1-2 s interpreter teardown of a process that loaded torch
+
+
+if __name__ == "__main__":
+    cli()
