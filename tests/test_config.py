@@ -74,7 +74,9 @@ def test_model_reads_shapes_by_interpolation():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("trainer.gpu=4", "Key 'gpu' not in 'TrainerConfig'"),
+    ("trainer.gpu=4", "unknown trainer key trainer.gpu: did you mean trainer.gpus?"),
+    ("trainer.max_epoch=3 trainer.procs=2", "trainer.max_epoch: did you mean trainer.max_epochs?"),
+    ("+trainer.foo=1", "trainer.foo: it is not a trainer key"),
     ("trainer.strategy=dpp", "Invalid value 'dpp', expected one of [auto, ddp, dp, single]"),
     ("trainer.max_epochs=abc", "could not be converted to Integer"),
     ("trainer.precision=8", "trainer.precision='8' is not one of 32, bf16, 16"),

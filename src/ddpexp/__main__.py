@@ -21,6 +21,13 @@ def main(cfg: DictConfig) -> Optional[float]:
 
 def cli() -> None:
     """Console entry point (``ddpexp`` and ``python -m ddpexp``)."""
+    import sys
+
+    from ddpexp.config import unknown_trainer_keys
+
+    typo = unknown_trainer_keys(sys.argv[1:])
+    if typo:
+        sys.exit(typo)  # exit status 1, the message on stderr
     main()  # a failure leaves through sys.exit inside Hydra, with its own exit code
     from ddpexp.proc import exit_now
 

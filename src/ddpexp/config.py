@@ -205,6 +205,30 @@ def validate(cfg: DictConfig) -> None:
             )
 
 
+def unknown_trainer_keys(args: list[str]) -> Optional[str]:
+    """A message for ``trainer.KEY=...`` overrides whose KEY is no trainer key, naming the
+    closest one. Hydra rejects them too, but suggests ``+trainer.KEY`` (adding a key the
+    trainer never reads), which is the wrong fix for a typo."""
+    import difflib
+    from dataclasses import fields
+
+    known = [f.name for f in fields(TrainerConfig)]
+    problems = []
+    for arg in args:
+        key = arg.split("=", 1)[0].lstrip("+")  # +trainer.x would be kept, and never read
+        if "=" not in arg or not key.startswith("trainer.") or key.count(".") != 1:
+            continue
+        name = key.split(".", 1)[1]
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean trainer.{close[0]}?" if close else "it is not a trainer key"
+            problems.append(f"trainer.{name}: {hint}")
+    if not problems:
+        return None
+    return ("unknown trainer key " + "; ".join(problems)
+            + f"\n(trainer keys: {', '.join(known)})")
+
+
 def env_flag(name: str) -> bool:
     """True when an environment variable is set to something other than 0/false/empty."""
     return os.environ.get(name, "").lower() not in ("", "0", "false", "no")
