@@ -100,6 +100,8 @@ def test_bad_input_gets_one_clear_message(workdir, override, message):
     assert res.returncode != 0
     assert message in res.stderr
     assert "Traceback" not in res.stderr
+    if override.startswith(("trainer.gpu=", "resume=")):
+        assert not (workdir / "outputs").exists()  # refused before a run dir was made
 
 
 def test_full_error_shows_the_traceback(workdir):

@@ -23,11 +23,11 @@ def cli() -> None:
     """Console entry point (``ddpexp`` and ``python -m ddpexp``)."""
     import sys
 
-    from ddpexp.config import unknown_trainer_keys
+    from ddpexp.config import preflight
 
-    typo = unknown_trainer_keys(sys.argv[1:])
-    if typo:
-        sys.exit(typo)  # exit status 1, the message on stderr
+    problem = preflight(sys.argv[1:])
+    if problem:
+        sys.exit(problem)  # exit status 1, the message on stderr
     main()  # a failure leaves through sys.exit inside Hydra, with its own exit code
     from ddpexp.proc import exit_now
 

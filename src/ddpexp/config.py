@@ -229,6 +229,21 @@ def unknown_trainer_keys(args: list[str]) -> Optional[str]:
             + f"\n(trainer keys: {', '.join(known)})")
 
 
+def preflight(args: list[str]) -> Optional[str]:
+    """Checks of the command line that must happen before Hydra claims a run dir: trainer
+    key typos, and a ``resume=`` path that does not exist (which would otherwise leave an
+    empty new run dir behind its error)."""
+    typo = unknown_trainer_keys(args)
+    if typo:
+        return typo
+    for arg in args:
+        key, _, value = arg.partition("=")
+        if key.lstrip("+") == "resume" and value not in ("", "null", "auto") and "," not in value \
+                and not Path(value).expanduser().exists():
+            return f"resume={value} is neither auto, a run dir nor a checkpoint file that exists"
+    return None
+
+
 def env_flag(name: str) -> bool:
     """True when an environment variable is set to something other than 0/false/empty."""
     return os.environ.get(name, "").lower() not in ("", "0", "false", "no")
