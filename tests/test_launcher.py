@@ -237,3 +237,17 @@ def test_gpu_jobs_get_their_own_devices(workdir: Path) -> None:
         assert seen[0] == seen[1]
         (_, end0), (start1, _) = sorted(spans)
         assert end0 <= start1
+
+
+def test_job_over_timeout_is_stopped_and_reported(workdir: Path) -> None:
+    # Job 0 ends after one epoch; job 1 would train for hours and must be stopped.
+    res, sweep_dir = sweep(workdir, "trainer.max_steps=null", "trainer.max_epochs=1,100000",
+                           "hydra.launcher.timeout_s=25", "hydra.launcher.kill_grace_s=10",
+                           expect_ok=False)
+    assert res.returncode != 0
+    assert "ran over hydra.launcher.timeout_s" in res.stderr
+    rows = {r["job"]: r for r in summary_rows(sweep_dir)}
+    assert rows["0"]["status"] == "completed"
+    assert rows["1"]["status"] != "completed"
+    # The stopped job still saved where it was, so it can be resumed.
+    assert (sweep_dir / "1" / "checkpoints" / "last.pt").is_file()
