@@ -141,20 +141,6 @@ def test_fail_fast_stops_launching(workdir: Path) -> None:
     assert rows["1"]["status"] == "failed" and "fail_fast" in rows["1"]["error"]
 
 
-def test_optuna_sweep_through_the_launcher(workdir: Path) -> None:
-    res, sweep_dir = sweep(workdir, "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3",
-                           "hydra.sweeper.n_jobs=2", "hydra.launcher.max_parallel=2",
-                           "hydra.sweeper.direction=maximize",
-                           "optimizer.lr=interval(0.01,0.2)")
-    dirs = job_dirs(sweep_dir)
-    assert len(dirs) == 3
-    bests = [read_metrics(d)["best"]["val/acc"] for d in dirs]
-    result = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())
-    # optuna saw the metric each job returned.
-    assert result["best_value"] == pytest.approx(max(bests))
-    assert len(summary_rows(sweep_dir)) == 3
-
-
 def test_submitit_local_sweep_fans_out_workers(workdir: Path) -> None:
     _, sweep_dir = sweep(workdir, "hydra/launcher=submitit_local", "trainer.procs=1,2")
     dirs = job_dirs(sweep_dir)
