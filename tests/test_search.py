@@ -62,21 +62,24 @@ def test_search_space_grammar() -> None:
 
 
 class _Sweeper:
-    def __init__(self, direction=None, sampler=None, monitor_mode="max"):
+    def __init__(self, direction=None, monitor_mode=None, task="ddpexp.task.Classification"):
         from omegaconf import OmegaConf
 
-        self.direction, self.sampler = direction, sampler or {}
-        self.config = OmegaConf.create({"trainer": {"monitor_mode": monitor_mode}})
+        self.direction = direction
+        self.config = OmegaConf.create({"trainer": {"monitor_mode": monitor_mode},
+                                        "task": {"_target_": task}})
 
 
-def test_direction_follows_monitor_mode_unless_given() -> None:
-    assert _search._direction(_Sweeper(), _Sweeper().config) == "maximize"
-    low = _Sweeper(monitor_mode="min")
-    assert _search._direction(low, low.config) == "minimize"
-    given = _Sweeper(direction="maximize", monitor_mode="min")
-    assert _search._direction(given, given.config) == "maximize"
+def test_direction_follows_the_monitored_metric_unless_given() -> None:
+    def direction(sweeper: _Sweeper) -> str:
+        return _search._direction(sweeper, sweeper.config)
+
+    assert direction(_Sweeper()) == "maximize"  # the classification task's val/acc
+    assert direction(_Sweeper(task="ddpexp.task.Regression")) == "minimize"  # val/mse
+    assert direction(_Sweeper(monitor_mode="min")) == "minimize"
+    assert direction(_Sweeper(direction="maximize", monitor_mode="min")) == "maximize"
     with pytest.raises(ConfigError, match="direction=up is not one of maximize, minimize"):
-        _search._direction(_Sweeper(direction="up"), _Sweeper().config)
+        direction(_Sweeper(direction="up"))
 
 
 @pytest.mark.parametrize("name", ["tpe", "random", "grid"])

@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from ddpexp import checkpoint as ckpt_io
+from ddpexp import pruning
 from ddpexp.config import Strategy, TrainerConfig, trainer_config
 from ddpexp.data import DataSource, ResumableDistributedSampler
 from ddpexp.dist import DistContext, derive_seed, rng_state, seed_everything, set_rng_state
@@ -73,6 +74,9 @@ class Trainer:
         self.monitor_mode = cfg.monitor_mode.value if cfg.monitor_mode else task.monitor_mode
         self.stop = StopRequested()
         self.stopping = False  # the stop that all ranks agreed on
+        # An optuna_async trial: rank 0 reports each validation, every rank follows its answer.
+        self.prunable = pruning.in_trial()
+        self.reporter = pruning.from_env() if ctx.is_main else None
         self.tb = None
         self.bar = None
         self._build_loaders(datasets)
@@ -454,17 +458,32 @@ class Trainer:
             shown = "  ".join(f"{k} {v:.4f}" for k, v in val.items())
             log.info("epoch %d  step %d  %s%s  (%.1fs)", self.epoch, self.step, shown,
                      "  *best*" if improved else "", epoch_time)
+        if self.prunable and self._pruned(val):
+            self.status = "pruned"
+            if self.ctx.is_main:
+                log.info("pruned by the search after epoch %d (%s %.4f)", self.epoch,
+                         self.monitor, val[self.monitor])
         if complete:
             self.epoch += 1
             self.batch = 0
         patience = self.t.early_stop_patience
-        if patience is not None and self.bad_epochs >= patience:
+        if patience is not None and self.bad_epochs >= patience and self.status == "running":
             self.status = "early_stopped"
             if self.ctx.is_main:
                 log.info("early stop: %s did not improve for %d epochs", self.monitor, patience)
         self._save(best=improved)
         if self.ctx.is_main:
             write_metrics(self.run_dir, self._result())
+
+    def _pruned(self, val: dict[str, float]) -> bool:
+        """Rank 0 reports the monitored value to the trial and asks its pruner; the answer
+        reaches every rank in one small broadcast per epoch."""
+        flag = torch.zeros(1, dtype=torch.int32, device=self.device)
+        if self.reporter is not None:
+            flag[0] = int(self.reporter.should_prune(self.epoch, float(val[self.monitor])))
+        if self.ctx.world_size > 1:
+            dist.broadcast(flag, src=0)
+        return bool(flag.item())
 
     def _update_best(self, val: dict[str, float]) -> bool:
         value = val[self.monitor]

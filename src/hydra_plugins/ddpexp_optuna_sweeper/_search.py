@@ -67,11 +67,23 @@ def run(sweeper: Any, arguments: List[str]) -> Optional[dict]:
     return search.run()
 
 
+def _monitored(config: Any) -> tuple:
+    """``(trainer.monitor, trainer.monitor_mode)``, the task's own where they are null."""
+    monitor = OmegaConf.select(config, "trainer.monitor", default=None)
+    mode = OmegaConf.select(config, "trainer.monitor_mode", default=None)
+    if monitor is None or mode is None:
+        from ddpexp.task import task_defaults
+
+        task_monitor, task_mode = task_defaults(str(OmegaConf.select(config, "task._target_")))
+        monitor, mode = monitor or task_monitor, mode or task_mode
+    return str(monitor), str(getattr(mode, "value", mode))
+
+
 def _direction(sweeper: Any, config: Any) -> str:
+    """``hydra.sweeper.direction``, or what the monitored metric's mode implies."""
     direction = sweeper.direction
     if direction is None:
-        mode = OmegaConf.select(config, "trainer.monitor_mode", default="max")
-        return "maximize" if getattr(mode, "value", mode) == "max" else "minimize"
+        return "maximize" if _monitored(config)[1] == "max" else "minimize"
     direction = str(direction).lower()
     if direction not in DIRECTIONS:
         raise ConfigError(f"hydra.sweeper.direction={direction} is not one of "
@@ -130,6 +142,7 @@ class _Search:
         self.sweep_dir = sweep_dir
         self.jobs: List[_core.Job] = []
         self.failed = False
+        self.monitor = _monitored(sweeper.config)[0]
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> Optional[dict]:
@@ -227,7 +240,7 @@ class _Search:
             self.study.tell(job.idx, float(value))
             best = self.study.best_trial
             log.info("\ttrial %d: %s = %.4f (best so far: %.4f, trial %d)", job.idx,
-                     _monitor(job), value, best.value, best.number)
+                     self.monitor, value, best.value, best.number)
 
     def _tell_state(self, number: int, state: str, why: str) -> None:
         from optuna.trial import TrialState
@@ -257,10 +270,9 @@ class _Search:
             "trials": counts,
         }
         (self.sweep_dir / RESULTS).write_text(yaml.safe_dump(results, sort_keys=False))
-        monitor = OmegaConf.select(self.sweeper.config, "trainer.monitor", default="value")
         log.info("best of %d trial(s) (%s): trial %d, %s = %.4f\n  %s\n(written to %s)",
                  len(trials), ", ".join(f"{n} {k}" for k, n in counts.items() if n),
-                 best.number, monitor, best.value, " ".join(_space.as_overrides(best.params)),
+                 best.number, self.monitor, best.value, " ".join(_space.as_overrides(best.params)),
                  self.sweep_dir / RESULTS)
         return {"number": best.number, "params": dict(best.params), "value": best.value}
 
@@ -272,8 +284,3 @@ def _metrics(job: _core.Job) -> dict:
         return json.loads((job.dir / "metrics.json").read_text())
     except (OSError, ValueError):
         return {}
-
-
-def _monitor(job: _core.Job) -> str:
-    return str(OmegaConf.select(job.config, "trainer.monitor", default="value")) \
-        if job.config is not None else "value"
