@@ -25,8 +25,14 @@ Cases: ``overhead`` (small MLP, CIFAR-shaped synthetic data, 2 CPU workers, batc
 ``compute`` (convnet, batch 64), ``startup`` (a 1-step run), ``sweep`` (a ``-m`` sweep of
 short runs vs the sum of the same runs done one by one with the plain loop).
 
+The ``search`` case (its own section below) runs the same trials of unequal length through
+the asynchronous Optuna search (``hydra/sweeper=optuna_async``) and through Hydra's basic
+sweeper in batches of ``max_parallel`` (how a batch sweeper such as hydra-optuna-sweeper with
+``n_jobs = max_parallel`` launches them), and compares slot utilisation and wall time.
+
     python scripts/bench.py                 # all cases, 3 repeats
     python scripts/bench.py --quick         # a tiny case of each, 1 repeat (the test runs it)
+    python scripts/bench.py --cases search  # the search case only (--quick: 4 short trials)
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -302,6 +309,100 @@ def verdicts(cases: list[Case], res: Results) -> list[str]:
     return out
 
 
+# ---------------------------------------------------------------------- the search case
+SEARCH = "search"
+# The launcher logs each job's end: "#<n> ended (<status>) after <seconds> s".
+JOB_ENDED = re.compile(r"#(\d+) ended \((\w+)\) after ([\d.]+) s")
+
+
+def search_trials(quick: bool) -> list[int]:
+    """The trials, as ``trainer.max_epochs`` on the default digits data in batches of 16:
+    lengths from a few seconds (mostly start-up) to many epochs, as a search's are."""
+    return [1, 8, 1, 4] if quick else [1, 12, 2, 10, 1, 8, 3, 6]
+
+
+def _busy_s(output: str, jobs: int) -> float:
+    """Slot-seconds the sweep's jobs held (from each job's start to its end, as the launcher
+    measured them), read from the launcher's log."""
+    ended = {int(n): float(s) for n, status, s in JOB_ENDED.findall(output)}
+    if len(ended) != jobs:
+        raise SystemExit(f"expected {jobs} ended jobs in the sweep's log, found {sorted(ended)}")
+    return sum(ended.values())
+
+
+def _search_command(sweeper: str, epochs: list[int], slots: int, out: Path) -> list[str]:
+    common = [sys.executable, "-m", "ddpexp", "-m", "data.batch_size=16",
+              "trainer.log_every_n_steps=100000",
+              "trainer.progress_bar=false", f"hydra.launcher.max_parallel={slots}",
+              f"hydra.sweep.dir={out}"]
+    if sweeper == "basic":
+        return common + [f"hydra.sweeper.max_batch_size={slots}",
+                         "trainer.max_epochs=" + ",".join(map(str, epochs))]
+    # The study is created beforehand with these trials queued in order, so both sweepers
+    # run the same trials in the same order.
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    out.mkdir(parents=True)
+    study = optuna.create_study(study_name="ddpexp", direction="maximize", storage=JournalStorage(
+        JournalFileBackend(str(out / "optuna.journal"))))
+    for e in epochs:
+        study.enqueue_trial({"trainer.max_epochs": e})
+    space = "choice(" + ",".join(map(str, sorted(set(epochs)))) + ")"
+    return common + ["hydra/sweeper=optuna_async", "resume=auto",
+                     f"hydra.sweeper.n_trials={len(epochs)}", f"trainer.max_epochs={space}"]
+
+
+def search_bench(quick: bool, repeats: int, env: dict, timeout: float, slots: int = 2) -> str:
+    """The search case: the same trials through optuna_async and through Hydra's basic
+    sweeper in batches of ``slots``; a markdown table of medians."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    epochs = search_trials(quick)
+    figures: dict[str, list[tuple[float, float]]] = {"optuna_async": [], "basic": []}
+    with tempfile.TemporaryDirectory(prefix="ddpexp-bench-search-") as tmp:
+        for r in range(repeats):
+            order = list(figures) if r % 2 == 0 else list(figures)[::-1]
+            for sweeper in order:
+                out = Path(tmp) / f"{sweeper}-{r}"
+                cmd = _search_command(sweeper, epochs, slots, out)
+                proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True,
+                                      timeout=timeout)
+                if proc.returncode != 0:
+                    raise SystemExit(f"exit {proc.returncode}: {' '.join(cmd)}\n"
+                                     f"{proc.stdout}{proc.stderr}")
+                wall = _sweep_wall_s(proc.stdout + proc.stderr)
+                util = _busy_s(proc.stdout + proc.stderr, len(epochs)) / (slots * wall)
+                figures[sweeper].append((util, wall))
+                print(f"[{r + 1}/{repeats}] search   {sweeper:12s} utilisation {util:.2f}  "
+                      f"wall {wall:.1f}s", file=sys.stderr, flush=True)
+    lines = [f"search: {len(epochs)} trials of trainer.max_epochs {epochs} on digits (batch 16), "
+             f"{slots} slots, medians of {repeats} run(s)", "",
+             "| sweeper | slot utilisation | sweep wall s |", "|---|---|---|"]
+    for sweeper, runs in figures.items():
+        label = "optuna_async" if sweeper != "basic" else \
+            f"basic, batches of {slots} (as a batch sweeper launches)"
+        lines.append(f"| {label} | {statistics.median(u for u, _ in runs):.2f} | "
+                     f"{statistics.median(w for _, w in runs):.1f} |")
+    return "\n".join(lines)
+
+
+LOG_STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]\[HYDRA\]", re.M)
+
+
+def _sweep_wall_s(output: str) -> float:
+    """From the sweep's first launcher line to its last (the summary): the span in which
+    trials could run, the same for both sweepers (Python and Hydra start-up excluded)."""
+    from datetime import datetime
+
+    stamps = [datetime.strptime(m, "%Y-%m-%d %H:%M:%S,%f") for m in LOG_STAMP.findall(output)]
+    if len(stamps) < 2:
+        raise SystemExit("the sweep's log holds no launcher lines")
+    return (stamps[-1] - stamps[0]).total_seconds()
+
+
 # ---------------------------------------------------------------------- main
 def make_cases(quick: bool, only: Optional[list[str]]) -> list[Case]:
     if quick:
@@ -334,12 +435,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--quick", action="store_true", help="tiny cases, 1 repeat (for the test)")
     p.add_argument("--repeats", type=int, default=None, help="rounds (default 3; 1 with --quick)")
     p.add_argument("--cases", nargs="+", default=None,
-                   help="a subset of: overhead compute startup sweep")
+                   help="a subset of: overhead compute startup sweep search (--quick runs search "
+                        "only when named)")
     p.add_argument("--json", default=None, help="also write every run's figures here")
     p.add_argument("--timeout", type=float, default=600, help="seconds per command")
     args = p.parse_args(argv)
     repeats = args.repeats or (1 if args.quick else 3)
-    cases = make_cases(args.quick, args.cases)
+    with_search = SEARCH in (args.cases or ([] if args.quick else [SEARCH]))
+    others = [c for c in args.cases or [] if c != SEARCH]
+    cases = make_cases(args.quick, others or None) if others or not args.cases else []
 
     env = dict(os.environ)
     # Benchmark this checkout, in the workers too, whatever is installed.
@@ -365,10 +469,14 @@ def main(argv: Optional[list[str]] = None) -> None:
                           f"wall {run.wall_s:6.2f}s  samples/s {_fmt(run.samples_per_s, 0)}  "
                           f"first step {_fmt(run.first_step_s)}s  peak {run.peak_mib:.0f}MiB",
                           file=sys.stderr, flush=True)
-    print(table(cases, res, repeats))
-    print()
-    for line in verdicts(cases, res):
-        print(line)
+    if cases:
+        print(table(cases, res, repeats))
+        print()
+        for line in verdicts(cases, res):
+            print(line)
+    if with_search:
+        print()
+        print(search_bench(args.quick, repeats, env, args.timeout))
     if args.json:
         Path(args.json).write_text(json.dumps(
             {f"{c}/{r}": [vars(x) for x in runs] for (c, r), runs in res.runs.items()}, indent=2))

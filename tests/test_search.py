@@ -61,6 +61,20 @@ def test_search_space_grammar() -> None:
         ["optimizer.lr=1e-05", "model=mlp", "data.batch_size=64"]
 
 
+def test_config_reference_lists_every_sweeper_key() -> None:
+    from dataclasses import fields
+
+    from hydra_plugins.ddpexp_optuna_sweeper.config import (OptunaAsyncSweeperConf, PrunerConf,
+                                                            SamplerConf)
+
+    doc = (Path(__file__).parents[1] / "docs" / "config.md").read_text()
+    keys = [f"hydra.sweeper.{f.name}" for f in fields(OptunaAsyncSweeperConf)
+            if f.name not in ("_target_", "sampler", "pruner")]
+    keys += [f"hydra.sweeper.sampler.{f.name}" for f in fields(SamplerConf)]
+    keys += [f"hydra.sweeper.pruner.{f.name}" for f in fields(PrunerConf)]
+    assert [k for k in keys if f"`{k}`" not in doc] == []
+
+
 class _Sweeper:
     def __init__(self, direction=None, monitor_mode=None, task="ddpexp.task.Classification"):
         from omegaconf import OmegaConf

@@ -231,7 +231,7 @@ class _Search:
             return
         value = ret._return_value
         if status == "pruned":
-            self._tell_state(job.idx, "pruned", f"at epoch {_metrics(job).get('epochs')}")
+            self._tell_state(job.idx, "pruned", f"after {_metrics(job).get('epochs')} epoch(s)")
         elif status == "diverged":
             self._tell_state(job.idx, "fail", "the loss diverged")
         elif not isinstance(value, (int, float)) or not math.isfinite(value):
