@@ -318,7 +318,7 @@ JOB_ENDED = re.compile(r"#(\d+) ended \((\w+)\) after ([\d.]+) s")
 def search_trials(quick: bool) -> list[int]:
     """The trials, as ``trainer.max_epochs`` on the default digits data in batches of 16:
     lengths from a few seconds (mostly start-up) to many epochs, as a search's are."""
-    return [1, 8, 1, 4] if quick else [1, 12, 2, 10, 1, 8, 3, 6]
+    return [1, 8, 1, 4] if quick else [1, 24, 2, 20, 1, 16, 3, 12]
 
 
 def _busy_s(output: str, jobs: int) -> float:
@@ -361,7 +361,8 @@ def search_bench(quick: bool, repeats: int, env: dict, timeout: float, slots: in
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     epochs = search_trials(quick)
-    figures: dict[str, list[tuple[float, float]]] = {"optuna_async": [], "basic": []}
+    # Per run: (utilisation, wall s, idle slot-seconds = slots x wall - busy).
+    figures: dict[str, list[tuple[float, float, float]]] = {"optuna_async": [], "basic": []}
     with tempfile.TemporaryDirectory(prefix="ddpexp-bench-search-") as tmp:
         for r in range(repeats):
             order = list(figures) if r % 2 == 0 else list(figures)[::-1]
@@ -374,18 +375,19 @@ def search_bench(quick: bool, repeats: int, env: dict, timeout: float, slots: in
                     raise SystemExit(f"exit {proc.returncode}: {' '.join(cmd)}\n"
                                      f"{proc.stdout}{proc.stderr}")
                 wall = _sweep_wall_s(proc.stdout + proc.stderr)
-                util = _busy_s(proc.stdout + proc.stderr, len(epochs)) / (slots * wall)
-                figures[sweeper].append((util, wall))
-                print(f"[{r + 1}/{repeats}] search   {sweeper:12s} utilisation {util:.2f}  "
-                      f"wall {wall:.1f}s", file=sys.stderr, flush=True)
+                busy = _busy_s(proc.stdout + proc.stderr, len(epochs))
+                figures[sweeper].append((busy / (slots * wall), wall, slots * wall - busy))
+                print(f"[{r + 1}/{repeats}] search   {sweeper:12s} utilisation "
+                      f"{busy / (slots * wall):.2f}  wall {wall:.1f}s  idle slot-s "
+                      f"{slots * wall - busy:.1f}", file=sys.stderr, flush=True)
     lines = [f"search: {len(epochs)} trials of trainer.max_epochs {epochs} on digits (batch 16), "
              f"{slots} slots, medians of {repeats} run(s)", "",
-             "| sweeper | slot utilisation | sweep wall s |", "|---|---|---|"]
+             "| sweeper | slot utilisation | sweep wall s | idle slot-s |", "|---|---|---|---|"]
     for sweeper, runs in figures.items():
         label = "optuna_async" if sweeper != "basic" else \
             f"basic, batches of {slots} (as a batch sweeper launches)"
-        lines.append(f"| {label} | {statistics.median(u for u, _ in runs):.2f} | "
-                     f"{statistics.median(w for _, w in runs):.1f} |")
+        med = [statistics.median(run[i] for run in runs) for i in range(3)]
+        lines.append(f"| {label} | {med[0]:.2f} | {med[1]:.1f} | {med[2]:.1f} |")
     return "\n".join(lines)
 
 

@@ -142,14 +142,17 @@ def test_search_keeps_both_slots_busy_prunes_and_survives_a_failed_trial(workdir
     study = _study(sweep_dir)
     # Four trials queued first, in this order (optuna's enqueue_trial, asked before any
     # sampled one): two good ones, one that fails in torch (a negative learning rate), one
-    # that cannot learn (lr=0) and must be pruned once a good one has completed.
-    for lr, epochs in ((0.1, 3), (0.1, 2), (-1.0, 3), (0.0, 3)):
-        study.enqueue_trial({"optimizer.lr": lr, "trainer.max_epochs": epochs})
+    # that cannot learn (lr=0) and must be pruned once a good one has completed; that one
+    # runs 2 DDP workers, which must both stop.
+    for lr, epochs, procs in ((0.1, 3, 1), (0.1, 2, 1), (-1.0, 3, 1), (0.0, 3, 2)):
+        study.enqueue_trial({"optimizer.lr": lr, "trainer.max_epochs": epochs,
+                             "trainer.procs": procs})
     res = run_cli(["-m", *QUICK, "resume=auto", f"hydra.sweep.dir={sweep_dir}",
                    "hydra.sweeper.n_trials=6", "hydra.launcher.max_parallel=2",
                    "hydra.sweeper.sampler.name=random", "hydra.sweeper.sampler.seed=0",
                    "hydra.sweeper.pruner.name=median", "hydra.sweeper.pruner.n_startup_trials=1",
-                   "optimizer.lr=choice(0.1,0.05,0.0,-1.0)", "trainer.max_epochs=range(1,4)"],
+                   "optimizer.lr=choice(0.1,0.05,0.0,-1.0)", "trainer.max_epochs=range(1,4)",
+                   "trainer.procs=choice(1,2)"],
                   workdir, timeout=400)
     trials = _study(sweep_dir).trials
     assert len(trials) == 6 and all(t.state.is_finished() for t in trials)
@@ -162,7 +165,7 @@ def test_search_keeps_both_slots_busy_prunes_and_survives_a_failed_trial(workdir
     assert busy / (2 * (end - start).total_seconds()) >= 0.85
 
     pruned = read_metrics(sweep_dir / "3")
-    assert pruned["status"] == "pruned" and pruned["epochs"] < 3
+    assert pruned["status"] == "pruned" and pruned["epochs"] < 3 and pruned["world_size"] == 2
     assert (sweep_dir / "3" / "checkpoints" / "last.pt").is_file()
     assert read_metrics(sweep_dir / "0")["epochs"] == 3
     rows = _summary(sweep_dir)
@@ -181,6 +184,20 @@ def test_search_keeps_both_slots_busy_prunes_and_survives_a_failed_trial(workdir
     assert results["best_params"] == best.params
     assert f"trial {best.number}, val/acc = {best.value:.4f}" in res.output
     assert "trial 2: failed" in res.output and "trial 3: pruned" in res.output
+
+
+@pytest.mark.slow
+def test_fail_fast_stops_the_search_at_the_first_failed_trial(workdir: Path) -> None:
+    sweep_dir = workdir / "sweep"
+    _study(sweep_dir).enqueue_trial({"optimizer.lr": -1.0})
+    res = run_cli(["-m", *QUICK, "resume=auto", f"hydra.sweep.dir={sweep_dir}",
+                   "hydra.sweeper.n_trials=3", "hydra.launcher.fail_fast=true",
+                   "optimizer.lr=choice(0.1,-1.0)", "trainer.max_epochs=1"],
+                  workdir, timeout=200, expect_ok=False)
+    assert res.returncode != 0
+    assert "stopped at the first failed trial" in res.stderr
+    assert [t.state for t in _study(sweep_dir).trials] == [TrialState.FAIL]
+    assert not (sweep_dir / "1").exists()
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import yaml
-from hydra.core.utils import JobStatus
+from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
 
 from ddpexp import pruning
@@ -143,46 +143,32 @@ class _Search:
         self.jobs: List[_core.Job] = []
         self.failed = False
         self.monitor = _monitored(sweeper.config)[0]
+        self.cut_off: List[Any] = []  # trials RUNNING in the study when this search started
+        self.to_ask = 0
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> Optional[dict]:
         from optuna.trial import TrialState
 
         trials = self.study.get_trials(deepcopy=False)
-        cut_off = [t for t in trials if t.state == TrialState.RUNNING]
+        self.cut_off = [t for t in trials if t.state == TrialState.RUNNING]
         done = sum(t.state.is_finished() for t in trials)
         n_trials = int(self.sweeper.n_trials)
         if str(self.sweeper.sampler.get("name", "tpe")).lower() == "grid":
             n_trials = min(n_trials, math.prod(len(v) for v in _space.grid(self.space).values()))
-        to_ask = max(0, n_trials - done - len(cut_off))
+        self.to_ask = max(0, n_trials - done - len(self.cut_off))
         log.info("optuna_async: study %r in %s: %d trial(s) done before, %d to resume, %d to "
                  "ask, up to %d at once", self.study.study_name, self.sweep_dir / JOURNAL, done,
-                 len(cut_off), to_ask, max(1, int(self.launcher.max_parallel)))
+                 len(self.cut_off), self.to_ask, max(1, int(self.launcher.max_parallel)))
         with _core.Pool(self.launcher) as pool:
-            waiting: Optional[_core.Job] = None
-            while True:
-                while not self._stop_asking(pool) and (waiting or cut_off or to_ask):
-                    if waiting is None:
-                        if not pool.free:
-                            break
-                        if cut_off:
-                            waiting = self._job(cut_off.pop(0))
-                        else:
-                            waiting, to_ask = self._job(self.study.ask(self.space)), to_ask - 1
-                        if waiting.ret is not None:  # could not compose, or done before
-                            self._tell(waiting, pool)
-                            waiting = None
-                            continue
-                    if not pool.start(waiting):  # its GPUs are not free yet
-                        break
-                    waiting = None
-                if not pool.running:
-                    break
+            waiting = self._fill(pool, None)
+            while pool.running:
                 for job in pool.wait_any():
                     self._tell(job, pool)
+                waiting = self._fill(pool, waiting)
         if waiting is not None and not pool.stopped:
             why = "not run: an earlier trial failed and hydra.launcher.fail_fast=true"
-            waiting.ret = _core.JobReturn(overrides=waiting.overrides, cfg=waiting.config,
+            waiting.ret = JobReturn(overrides=waiting.overrides, cfg=waiting.config,
                                           status=JobStatus.FAILED,
                                           _return_value=_core.JobSkipped(why))
             self._tell_state(waiting.idx, "fail", why)
@@ -200,8 +186,33 @@ class _Search:
                                 "and the failures above")
         return best
 
-    def _stop_asking(self, pool: _core.Pool) -> bool:
-        return bool(pool.stopped) or (self.failed and bool(self.launcher.fail_fast))
+    def _fill(self, pool: _core.Pool, waiting: Optional[_core.Job]) -> Optional[_core.Job]:
+        """Start trials while a slot is free and trials remain; return the job that waits
+        for its GPUs, if one does. A trial is asked only when a slot is free for it, so that
+        its time in the study is its time on a slot."""
+        while not pool.stopped and not (self.failed and self.launcher.fail_fast):
+            if waiting is None:
+                waiting = self._next() if pool.free else None
+                if waiting is None:
+                    break
+                if waiting.ret is not None:  # could not compose, or done before
+                    self._tell(waiting, pool)
+                    waiting = None
+                    continue
+            if not pool.start(waiting):
+                break
+            waiting = None
+        return waiting
+
+    def _next(self) -> Optional[_core.Job]:
+        """The next trial's job: one cut off before first, then newly asked ones until the
+        study holds ``n_trials``; None when none is left."""
+        if self.cut_off:
+            return self._job(self.cut_off.pop(0))
+        if self.to_ask:
+            self.to_ask -= 1
+            return self._job(self.study.ask(self.space))
+        return None
 
     def _job(self, trial: Any) -> _core.Job:
         """The job of ``trial`` (asked now, or cut off before): its parameters as overrides
@@ -213,7 +224,7 @@ class _Search:
         self.jobs.append(job)
         if job.ret is None and _metrics(job).get("status") == "pruned":
             # Pruned, but the search was cut off before it was told: tell it now.
-            job.ret = _core.JobReturn(overrides=job.overrides, cfg=job.config,
+            job.ret = JobReturn(overrides=job.overrides, cfg=job.config,
                                       status=JobStatus.COMPLETED, _return_value=None)
         return job
 
