@@ -79,7 +79,7 @@ def test_same_seed_same_weights_and_exact_validation(workdir):
     model = MLP([6], 3, hidden=[16])
     model.load_state_dict(a["model"])
     model.eval()
-    _, val = Synthetic(shape=[6], num_classes=3, num_samples=256, val_samples=101).load()
+    _, val, _ = Synthetic(shape=[6], num_classes=3, num_samples=256, val_samples=101).load()
     with torch.no_grad():
         correct = (model(val.x).argmax(1) == val.y).sum().item()
     assert read_metrics(first)["final"]["val/acc"] == correct / 101

@@ -101,7 +101,7 @@ class Trainer:
     # ------------------------------------------------------------------ building
     def _build_data(self) -> None:
         self.data: DataSource = instantiate(self.cfg["data"], _convert_="all")
-        train_ds, val_ds = self.data.load()
+        train_ds, val_ds = self.data.load()[:2]
         if self.cfg["data"].get("num_classes") is None:
             self.cfg["data"]["num_classes"] = self.data.num_classes
         if self.cfg["model"].get("num_classes", 0) is None:
