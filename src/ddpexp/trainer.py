@@ -447,7 +447,10 @@ class Trainer:
         best = self.ckpt_dir / ckpt_io.BEST
         if self.ctx.is_main and not best.is_file():
             log.warning("%s does not exist: test skipped", best)
+        # The trainer keeps its last weights after fit(); best.pt's are only borrowed.
+        last = {k: v.to("cpu", copy=True) for k, v in self.module.state_dict().items()}
         result = self.evaluate_checkpoint(best, "test")
+        self.module.load_state_dict(last)
         if result is None:
             return
         values = result["metrics"]
