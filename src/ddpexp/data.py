@@ -4,9 +4,11 @@ Each ``data`` option is a :class:`DataSource`: it knows its loader settings, its
 ``num_classes`` and ``shape``, and builds its train, validation and test datasets. No sample is
 in two of them: in-memory data is split three ways by a fixed seed; file-based data holds the
 validation set out of the training files and keeps the official test files as the test set, so
-that nothing a run selects on (``best.pt``, early stopping, a sweep's ranking) has seen them. Datasets that fit in
-memory are :class:`InMemory` tensors and are batched by indexing (:class:`TensorLoader`), which
-is far cheaper than collating samples one by one; the rest go through a ``DataLoader``.
+that what a run selects on (``best.pt``, early stopping, a sweep's ranking) never saw them.
+
+Datasets that fit in memory are :class:`InMemory` tensors and are batched by indexing
+(:class:`TensorLoader`), which is far cheaper than collating samples one by one; the rest go
+through a ``DataLoader``.
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ from ddpexp import checkpoint as ckpt_io
 from ddpexp.errors import CheckpointError, ConfigError, DdpexpError
 
 SPLITS = ("test", "val")
-USAGE = "usage: python -m ddpexp.eval PATH [key=value ...]  (PATH: a run dir, a checkpoint file or a sweep dir)"
+USAGE = ("usage: python -m ddpexp.eval PATH [key=value ...]  "
+         "(PATH: a run dir, a checkpoint file or a sweep dir)")
 
 
 def targets(path: Path) -> list[tuple[str, Path, Path]]:

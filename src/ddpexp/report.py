@@ -13,8 +13,9 @@ TensorBoard HParams) can build on the same rows::
 
 Everything is read from each run dir's ``metrics.json`` (written by ddpexp's trainer:
 status, epochs, steps, ``final``/``best``/``test`` metrics, ``monitor``/``monitor_mode``, wall
-time, ``error``), ``.hydra/overrides.yaml`` and the ``seed`` of ``.hydra/config.yaml``. A run dir without ``metrics.json`` still gets a row
-(status ``no metrics``), so a job that failed before training is never silently missing.
+time, ``error``), ``.hydra/overrides.yaml`` and the ``seed`` of ``.hydra/config.yaml``. A
+run dir without ``metrics.json`` still gets a row (status ``no metrics``), so a job that
+failed before training is never silently missing.
 """
 
 from __future__ import annotations
