@@ -95,6 +95,13 @@ def test_trainer_test_false_skips_the_test(tmp_path: Path):
     m = read_metrics(tmp_path / "run")
     assert m["status"] == "completed" and "test" not in m
     assert not any(t.startswith("test/") for t in read_scalars(tmp_path / "run" / "tb"))
+    # Data without a test split: the run skips the test, ddpexp.eval says what to do instead.
+    build_trainer(tmp_path / "none", [*SYN, "trainer.max_epochs=1", "data.test_samples=0"]).fit()
+    assert "test" not in read_metrics(tmp_path / "none")
+    code, out, err = eval_main(str(tmp_path / "none"))
+    assert code == 1 and "data=Synthetic has no test split; evaluate split=val" in err
+    code, out, err = eval_main(str(tmp_path / "none"), "split=val")
+    assert code == 0 and records(tmp_path / "none")[0]["samples"] == 16
 
 
 @pytest.mark.slow
@@ -144,6 +151,8 @@ def test_eval_checkpoint_file_with_data_root_and_bad_files(tmp_path: Path):
     assert code == 1 and f"{run / 'checkpoints' / 'best.pt'} does not exist" in err
     code, out, err = eval_main(str(last), "split=train")
     assert code == 1 and "split=train is not one of test, val" in err
+    code, out, err = eval_main(str(last), f"data.root={tmp_path / 'moved'}", "data.test_fraction=0")
+    assert code == 1 and "data.test_fraction is not a key of the run's config; use +data" in err
 
 
 @pytest.mark.slow

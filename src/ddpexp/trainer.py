@@ -469,6 +469,9 @@ class Trainer:
         finds no such file. Rank 0 reads the file and broadcasts the weights, so ranks on
         other nodes need no shared file system. Every rank must call it."""
         dataset = {"test": self.test_ds, "val": self.val_ds}[split]
+        if dataset is None or len(dataset) == 0:
+            raise ConfigError(f"data={type(self.data).__name__} has no {split} split; "
+                              "evaluate split=val, or give the data a test split")
         epoch = torch.tensor([-1], dtype=torch.long, device=self.device)
         if self.ctx.is_main and Path(path).is_file():
             state = ckpt_io.load(path, map_location=self.device)
