@@ -172,3 +172,31 @@ def test_imagefolder_without_test_folder_has_no_test_split(tmp_path):
 
     write_imagefolder(tmp_path)
     assert len(ImageFolder(root=str(tmp_path), shape=[1, 4, 4]).load()) == 2
+
+
+def test_diabetes_three_way_split():
+    from ddpexp.data import Diabetes
+
+    train, val, test = Diabetes().load()
+    assert_disjoint(train, val, test)
+    assert len(train) + len(val) + len(test) == 442 and len(test) == 45
+
+
+def test_text_parts_share_no_token(tmp_path):
+    """A text's windows are views of one token tensor: the token positions each part's
+    windows (inputs and targets) cover never overlap, even where the text repeats itself."""
+    from ddpexp.data import Text
+
+    path = tmp_path / "t.txt"
+    path.write_text("the cat sat on the mat. " * 40)
+    parts = Text(path=str(path), block_size=8, train_stride=3).load()
+    assert len(parts) == 3
+
+    def positions(part) -> set:
+        return {p for i in range(len(part)) for p in
+                range(part.x[i].storage_offset(), part.x[i].storage_offset() + 9)}
+
+    covered = [positions(p) for p in parts]
+    assert all(covered) and not (covered[0] & covered[1] or covered[1] & covered[2]
+                                 or covered[0] & covered[2])
+    assert max(covered[0]) < min(covered[1]) and max(covered[1]) < min(covered[2])
