@@ -67,7 +67,7 @@ def test_default_run_tests_best_pt_and_eval_prints_the_same(tmp_path: Path):
     assert set(m["test"]) == {"test/loss", "test/acc", "epoch"}
     test = Digits().load()[2]
     acc, loss = by_hand(run / "checkpoints" / "best.pt", test)
-    assert m["test"]["test/acc"] == pytest.approx(acc, abs=1e-6)  # float32 means per batch
+    assert m["test"]["test/acc"] == pytest.approx(acc, rel=1e-12)
     assert m["test"]["test/loss"] == pytest.approx(loss, rel=1e-5)
     assert by_hand(run / "checkpoints" / "last.pt", test)[1] != pytest.approx(loss, rel=1e-5)
     scalars = read_scalars(run / "tb")
@@ -85,7 +85,7 @@ def test_default_run_tests_best_pt_and_eval_prints_the_same(tmp_path: Path):
     res = run_cli([str(run), "trainer.procs=2"], tmp_path, module="ddpexp.eval", timeout=120)
     two = records(run)[-1]
     assert two["world_size"] == 2 and two["samples"] == 180
-    assert two["metrics"]["test/acc"] == pytest.approx(m["test"]["test/acc"], abs=1e-6)
+    assert two["metrics"]["test/acc"] == pytest.approx(m["test"]["test/acc"], rel=1e-12)
     assert two["metrics"]["test/loss"] == pytest.approx(m["test"]["test/loss"], rel=1e-6)
     assert f"{m['test']['test/acc']:.4f}" in res.stdout and "Traceback" not in res.stderr
 
@@ -116,7 +116,7 @@ def test_odd_test_split_over_two_workers_counts_each_sample_once(workdir: Path):
     test = Synthetic(num_samples=64, val_samples=16, test_samples=101, shape=[6],
                      num_classes=3).load()[2]
     acc, loss = by_hand(run / "checkpoints" / "best.pt", test)
-    assert m["test"]["test/acc"] == pytest.approx(acc, abs=1e-6)  # over 101, not 102 padded
+    assert m["test"]["test/acc"] == pytest.approx(acc, rel=1e-12)  # over 101, not 102 padded
     assert m["test"]["test/loss"] == pytest.approx(loss, rel=1e-5)
     assert "test (best.pt, epoch 0, 101 samples)" in res.stdout
     assert f"test/acc {acc:.4f}; run dir" in res.stdout  # the line that ends the run
@@ -187,4 +187,4 @@ def test_seed_sweep_is_grouped_and_every_job_evaluated(workdir: Path):
     for job in range(6):
         (rec,) = records(sweep / str(job))
         assert rec["metrics"]["test/acc"] == pytest.approx(
-            read_metrics(sweep / str(job))["test"]["test/acc"], abs=1e-6)
+            read_metrics(sweep / str(job))["test"]["test/acc"], rel=1e-12)
