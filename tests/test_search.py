@@ -21,7 +21,7 @@ from ddpexp.errors import ConfigError
 from hydra_plugins.ddpexp_optuna_sweeper import _search, _space
 
 # Short trials on the default digits data: 1-3 epochs, no step logging.
-QUICK = ["hydra/sweeper=optuna_async", "trainer.log_every_n_steps=100000"]
+QUICK = ["hydra/sweeper=optuna_async", "trainer.log_every_n_steps=100000", "trainer.test=false"]
 
 
 def _study(sweep_dir: Path, direction: str = "maximize") -> optuna.Study:
