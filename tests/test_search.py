@@ -36,6 +36,23 @@ def _summary(sweep_dir: Path) -> dict[str, dict]:
 
 
 # ------------------------------------------------------------------------------ in-process
+def test_discovery_and_config_registration() -> None:
+    """Hydra finds the sweeper through the hydra_plugins namespace package, and its config is
+    in the ConfigStore as hydra/sweeper=optuna_async; optuna is not imported by either."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from hydra.core.plugins import Plugins\n"
+            "from hydra.plugins.sweeper import Sweeper\n"
+            "from hydra.core.config_store import ConfigStore\n"
+            "names = [c.__name__ for c in Plugins.instance().discover(Sweeper)]\n"
+            "assert 'OptunaAsyncSweeper' in names, names\n"
+            "assert 'optuna_async.yaml' in ConfigStore.instance().list('hydra/sweeper')\n"
+            "assert 'optuna' not in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
 def test_search_space_grammar() -> None:
     fixed, space = _space.parse(
         ["optimizer.lr=tag(log,interval(1e-4,1e-1))", "data.batch_size=choice(32,64,128)",
