@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -22,6 +24,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ddpexp.config import env_flag, to_plain, validate
 from ddpexp.errors import ConfigError, DdpexpError, RunFailed, RunInterrupted
+from ddpexp.failures import guard_run
+from ddpexp.watchdog import Watchdog
 
 log = logging.getLogger("ddpexp")
 
@@ -99,6 +103,7 @@ def overrides_as_hparams(overrides: list[str]) -> dict[str, Any]:
     return out
 
 
+@guard_run
 def run(cfg: DictConfig) -> Optional[float]:
     """The task function's body: run one experiment and return its monitored metric."""
     from hydra.core.hydra_config import HydraConfig
@@ -247,6 +252,9 @@ def _elastic(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
     from ddpexp.worker import EXIT_INTERRUPTED, run_worker
 
     t = cfg.trainer
+    # torch elastic keeps its per-run error files here; removed when the run ends (left to
+    # itself it leaves an empty /tmp/torchelastic_* dir behind per run).
+    elastic_dir = Path(tempfile.mkdtemp(prefix="ddpexp-elastic-"))
     env_keys = {}
     if plan.nodes == 1:
         endpoint, local_addr = f"127.0.0.1:{free_port()}", "127.0.0.1"
@@ -276,7 +284,7 @@ def _elastic(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
         monitor_interval=0.1,
         start_method="spawn",
         local_addr=local_addr,
-        logs_specs=DefaultLogsSpecs(log_dir=None),
+        logs_specs=DefaultLogsSpecs(log_dir=str(elastic_dir)),
         shutdown_timeout=int(t.shutdown_grace_s),
         # The agent forwards these to the workers, which stop at a step boundary, checkpoint
         # and exit; it SIGKILLs those still running after shutdown_timeout.
@@ -284,12 +292,17 @@ def _elastic(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
     )
     # The agent replaces these handlers and never puts them back.
     saved = {sig: signal.getsignal(sig) for sig in (*stop_signals(), signal.SIGHUP, signal.SIGQUIT)}
+    watchdog = Watchdog(plan.procs, float(t.dist_timeout_s), payload.log_file)
+    oom_before = oom_kills()
     try:
-        results = elastic_launch(config, run_worker)(payload)
+        with watchdog:
+            results = elastic_launch(config, run_worker)(payload)
     except ChildFailedError as exc:
+        if watchdog.message:
+            raise RunFailed(watchdog.message) from None
         if all(f.exitcode == EXIT_INTERRUPTED for f in exc.failures.values()):
             raise RunInterrupted(_resume_hint(Path(payload.run_dir), None)) from None
-        raise RunFailed(_describe_failure(exc)) from None
+        raise RunFailed(_describe_failure(exc, oom_before)) from None
     except SignalException as exc:
         raise RunInterrupted(
             f"stopped by {exc.sigval.name}; " + _resume_hint(Path(payload.run_dir), None),
@@ -298,14 +311,27 @@ def _elastic(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+        shutil.rmtree(elastic_dir, ignore_errors=True)
+    if watchdog.message:  # a stall the group recovered from by a restart
+        log.warning("%s", watchdog.message)
     return results.get(0)
 
 
-def _describe_failure(exc: Any) -> str:
-    """One message naming each failed rank and its cause (the first line of its error)."""
+def _describe_failure(exc: Any, oom_kills_before: Optional[int] = None) -> str:
+    """One message naming each failed rank and its cause (the first line of its error).
+    A mistake every failed rank reports alike (a ddpexp error, such as a shape check on the
+    first batch) is said once, as it is."""
+    same = {_own_error(f) for f in exc.failures.values()}
+    if len(same) == 1 and None not in same:
+        return same.pop()  # type: ignore[return-value]
+    oom = oom_kills_before is not None and (oom_kills() or 0) > oom_kills_before
     lines = []
     for rank, failure in sorted(exc.failures.items()):
         cause = _cause(failure)
+        if cause == "was killed by SIGKILL":
+            cause += (" from the kernel's out-of-memory killer: memory ran out (use fewer "
+                      "trainer.procs, a smaller data.batch_size or model)" if oom else
+                      " (by another process, or by the kernel when memory ran out)")
         lines.append(f"rank {rank} (pid {failure.pid}) {cause}")
     head = "a worker failed, so the whole run was stopped:" if len(lines) == 1 else \
         f"{len(lines)} workers failed, so the whole run was stopped:"
@@ -316,6 +342,34 @@ def _describe_failure(exc: Any) -> str:
             "e.g. stuck in data loading or a deadlock, or skipped a collective)"
         )
     return text
+
+
+def _own_error(failure: Any) -> Optional[str]:
+    """The message of a ddpexp error (ConfigError, CheckpointError, ...) a rank raised."""
+    from ddpexp import errors
+
+    data = failure.error_file_data
+    message = data.get("message") if isinstance(data, dict) else None
+    text = str(message.get("message", "")) if isinstance(message, dict) else ""
+    name, _, rest = text.partition(": ")
+    cls = getattr(errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, errors.DdpexpError) and rest:
+        return rest
+    return None
+
+
+def oom_kills() -> Optional[int]:
+    """How many processes of this cgroup the kernel's OOM killer has killed (cgroup v2),
+    or None where that is not known."""
+    try:
+        text = Path("/sys/fs/cgroup/memory.events").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill":
+            return int(value)
+    return None
 
 
 def _cause(failure: Any) -> str:

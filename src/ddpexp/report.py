@@ -70,12 +70,18 @@ def read_run(run_dir: Path, job: Optional[str] = None) -> Row:
     except (OSError, ValueError) as exc:
         row.status, row.error = "unreadable", f"{path}: {exc}"
         return row
+    if not isinstance(data, dict):
+        row.status = "unreadable"
+        row.error = f"{path} holds a JSON {type(data).__name__}, not a run's metrics object"
+        return row
     monitor = data.get("monitor")
+    if not isinstance(monitor, str):
+        monitor = None
     row.status = str(data.get("status", "unknown"))
     row.monitor = monitor
     row.monitor_mode = str(data.get("monitor_mode", "max"))
-    row.final = _number((data.get("final") or {}).get(monitor)) if monitor else None
-    row.best = _number((data.get("best") or {}).get(monitor)) if monitor else None
+    row.final = _number(_entry(data, "final", monitor))
+    row.best = _number(_entry(data, "best", monitor))
     row.epochs = data.get("epochs")
     row.steps = data.get("steps")
     row.wall_time_s = _number(data.get("wall_time_s"))
@@ -167,12 +173,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"no runs under {args.dir}", file=sys.stderr)
         return 1
     sys.stdout.write(format_rows(rows, args.format))
+    for row in rows:
+        if row.status == "unreadable":
+            print(f"note: run {row.job} skipped: {row.error}", file=sys.stderr)
     if args.plot is not None:
         from ddpexp.plot import plot_curves
 
         varying = _varying_overrides(rows)
         runs = [(_label(r, varying), Path(r.dir)) for r in rows if r.dir]
-        drawn = plot_curves(runs, args.plot)
+        try:
+            drawn = plot_curves(runs, args.plot)
+        except OSError as exc:
+            print(f"--plot {args.plot}: cannot write it ({exc.strerror or exc}); pick a path in "
+                  "a directory you can write to", file=sys.stderr)
+            return 1
         print(f"wrote {args.plot}: {drawn} runs, one curve each", file=sys.stderr)
     return 0
 
@@ -200,6 +214,12 @@ def _read_overrides(run_dir: Path) -> list[str]:
     except (OSError, yaml.YAMLError):
         return []
     return [str(o) for o in data or []]
+
+
+def _entry(data: dict, section: str, monitor: Optional[str]) -> Any:
+    """``data[section][monitor]`` where both exist and ``data[section]`` is a mapping."""
+    node = data.get(section)
+    return node.get(monitor) if monitor and isinstance(node, dict) else None
 
 
 def _number(value: Any) -> Optional[float]:
