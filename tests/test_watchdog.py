@@ -45,7 +45,7 @@ def test_find_stall_names_the_ranks_behind_once_the_others_waited_long_enough():
     assert [b.rank for b in stall.stalled] == [1] and {b.rank for b in stall.waiting} == {0, 2}
     text = stall.describe(now, "run/ddpexp.log")
     assert "rank 1 (pid 101) stalled in forward at step 3: no progress for 6 s" in text
-    assert "rank(s) 0, 2 waited 6 s for it in backward" in text and "run/ddpexp.log" in text
+    assert "(ranks 0, 2 waited 6 s for it in backward" in text and "run/ddpexp.log" in text
     # All ranks level (a long validation everywhere) is work, not a stall.
     level = [_beat(0, 5, wd.VALIDATION, now - 100), _beat(1, 5, wd.VALIDATION, now - 100)]
     assert wd.find_stall(level, now, stall_s=5) is None

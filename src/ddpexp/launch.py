@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from ddpexp.config import env_flag, to_plain, validate
-from ddpexp.errors import ConfigError, DdpexpError, RunFailed, RunInterrupted
+from ddpexp.errors import ConfigError, DdpexpError, RunDiverged, RunFailed, RunInterrupted
 from ddpexp.failures import guard_run
 from ddpexp.watchdog import Watchdog
 
@@ -160,11 +160,26 @@ def run(cfg: DictConfig) -> Optional[float]:
         preempt.requeue(by)
         raise RunInterrupted((f"stopped by {by}; " if by else "") + _resume_hint(run_dir, hydra_cfg),
                              signal=by)
+    if result["status"] == "diverged":
+        return _diverged(result, hydra_cfg)
     best = result["best"].get(result["monitor"])
     log.info("%s: %d epochs, %d steps, best %s %s; run dir %s", result["status"],
              result["epochs"], result["steps"], result["monitor"],
              "n/a" if best is None else f"{best:.4f}", run_dir)
     return best
+
+
+def _diverged(result: dict, hydra_cfg: Any) -> float:
+    """A run whose training loss went non-finite: on its own it fails with the trainer's
+    message; as a sweep job it returns the worst value for the monitored direction, so that
+    a sweeper can rank it and the sweep goes on (its row says ``diverged``)."""
+    from hydra.types import RunMode
+
+    message = result.get("error") or "training diverged"
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        raise RunDiverged(message)
+    log.error("%s", message)
+    return float("-inf") if result.get("monitor_mode") == "max" else float("inf")
 
 
 def _resolve_monitor(plain: dict) -> None:

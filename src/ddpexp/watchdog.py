@@ -85,7 +85,8 @@ class Stall:
             f"no progress for {now - b.time:.0f} s"
             for b in self.stalled
         ]
-        ahead = ", ".join(str(b.rank) for b in self.waiting)
+        ahead = ("rank " if len(self.waiting) == 1 else "ranks ") + ", ".join(
+            str(b.rank) for b in self.waiting)
         where = self.waiting[0].phase_name if self.waiting else "?"
         head = ("a worker stalled, so the whole run was stopped:" if len(lines) == 1 else
                 f"{len(lines)} workers stalled, so the whole run was stopped:")
@@ -94,7 +95,7 @@ class Stall:
             stack = stack.replace("its Python stack is", "their Python stacks are")
         return (
             head + "\n  " + "\n  ".join(lines)
-            + f"\n(rank(s) {ahead} waited {self.waited_s:.0f} s for it in {where}, longer than "
+            + f"\n({ahead} waited {self.waited_s:.0f} s for it in {where}, longer than "
             f"trainer.dist_timeout_s; {stack}. A rank that stops in data, forward or backward is "
             "usually stuck in its DataLoader or the model's code; raise trainer.dist_timeout_s "
             "if that phase is legitimately that slow)"
