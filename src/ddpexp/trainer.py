@@ -696,11 +696,18 @@ class Trainer:
 
     def _load(self, path: Path) -> None:
         state = ckpt_io.load(path, map_location=self.device)
+        differs = _model_difference(self.module.state_dict(), state["model"])
+        if differs:
+            raise ConfigError(
+                f"checkpoint {path} does not fit this run's model: {differs}. Resume with the "
+                "model config the run was started with (its .hydra/config.yaml)"
+            )
         try:
             self.load_state_dict(state)
         except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+            text = " ".join(str(exc).split())
             raise ConfigError(
-                f"checkpoint {path} does not fit this run's model/optimizer ({str(exc).splitlines()[0]}); "
+                f"checkpoint {path} does not fit this run's model/optimizer ({text[:300]}); "
                 "resume with the config the run was started with"
             ) from None
         self._last_saved_step = self.step
@@ -742,6 +749,27 @@ class Trainer:
             **({"diverged_at_step": self.diverged["step"], "error": self.divergence_message()}
                if self.status == "diverged" and self.diverged else {}),
         }
+
+
+def _model_difference(mine: Mapping[str, torch.Tensor], saved: Mapping[str, Any], show: int = 4) -> str:
+    """How a checkpoint's weights differ from the model's: keys only one side has and
+    tensors of other shapes (a few of each), or "" when they fit."""
+    def some(names: list[str]) -> str:
+        return ", ".join(names[:show]) + (f" and {len(names) - show} more" if len(names) > show else "")
+
+    parts = []
+    missing = [k for k in mine if k not in saved]
+    extra = [k for k in saved if k not in mine]
+    shapes = [f"{k} {list(saved[k].shape)} in the checkpoint vs {list(v.shape)} here"
+              for k, v in mine.items()
+              if k in saved and isinstance(saved[k], torch.Tensor) and saved[k].shape != v.shape]
+    if missing:
+        parts.append(f"the checkpoint lacks {some(missing)}")
+    if extra:
+        parts.append(f"the model has no {some(extra)}")
+    if shapes:
+        parts.append("shapes differ: " + some(shapes))
+    return "; ".join(parts)
 
 
 def _check_sample_shape(data_cfg: dict, train: Dataset) -> None:
