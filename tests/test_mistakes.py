@@ -15,30 +15,10 @@ from pathlib import Path
 
 import pytest
 
-import ddpexp.proc
-from ddpexp.__main__ import cli
 from ddpexp.config import existing_run_overwritten, writable_dir_problem
 from ddpexp.failures import explain_os_error
 from conftest import run_dirs
-
-
-class Exited(Exception):
-    """cli() ended the process (in a test: raised instead)."""
-
-
-def run_here(args: list[str], cwd: Path, monkeypatch, capsys) -> tuple[int, str]:
-    """``python -m ddpexp ARGS`` in this process: (exit status, stdout + stderr)."""
-    monkeypatch.chdir(cwd)
-    monkeypatch.setattr(sys, "argv", ["ddpexp", *args])
-    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    monkeypatch.setattr(ddpexp.proc, "exit_now", lambda code=0: (_ for _ in ()).throw(SystemExit(code)))
-    with pytest.raises(SystemExit) as exited:
-        cli()
-    code = exited.value.code
-    out = capsys.readouterr()
-    status = code if isinstance(code, int) else 1  # sys.exit("message") exits 1
-    text = out.out + out.err + (code if isinstance(code, str) else "")
-    return status, text
+from helpers import run_cli_here
 
 
 # (overrides, what the one message must say)
@@ -61,12 +41,55 @@ MISTAKES = [
 
 @pytest.mark.parametrize("overrides, message", MISTAKES, ids=[" ".join(m[0]) for m in MISTAKES])
 def test_each_mistake_gets_one_message(tmp_path, monkeypatch, capsys, overrides, message):
-    code, text = run_here(overrides, tmp_path, monkeypatch, capsys)
+    code, text = run_cli_here(overrides, tmp_path, monkeypatch, capsys)
     assert code != 0
     assert message in text
     assert "Traceback" not in text
     # A config mistake leaves no run dir behind.
     assert run_dirs(tmp_path) == []
+
+
+PLUGINS = str(Path(__file__).parent / "plugins")
+
+# Mistakes only the data or the model reveal: caught on one batch before the first step.
+BATCH_MISTAKES = [
+    (["data.num_classes=5"], "the data has labels from 0 to 9, but the model outputs 5 classes "
+                             "(data.num_classes). Set data.num_classes=10"),
+    (["data.shape=[3,8,8]"], "data.shape=[3, 8, 8] but the samples of data ddpexp.data.Digits have "
+                             "shape [1, 8, 8]; set data.shape=[1, 8, 8]"),
+    (["model=mlp", "data.shape=[1,4,4]"], "set data.shape=[1, 8, 8]"),
+    (["data=diabetes", "task=classification", "model=mlp"],
+     "task=classification needs integer class labels, but the data gives torch.float32 labels"),
+    (["model=mlp", "model._target_=faulty.TupleOut"], "the model returned tuple, not a tensor"),
+    (["model=mlp", "model._target_=faulty.NoParams"], "without trainable parameters"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BATCH_MISTAKES,
+                         ids=[" ".join(m[0]) for m in BATCH_MISTAKES])
+def test_each_data_or_model_mistake_gets_one_message(tmp_path, monkeypatch, capsys, overrides, message):
+    monkeypatch.syspath_prepend(PLUGINS)
+    code, text = run_cli_here([*overrides, "trainer.max_epochs=1"], tmp_path, monkeypatch, capsys)
+    assert code != 0
+    assert message in text
+    assert "Traceback" not in text and "epoch 0" not in text  # before the first step
+    (run_dir,) = run_dirs(tmp_path)
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["status"] == "failed" and message in metrics["error"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="permissions do not stop root")
+def test_an_unreadable_data_root_is_one_message(tmp_path, monkeypatch, capsys):
+    raw = tmp_path / "data" / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    raw.chmod(0)
+    try:
+        code, text = run_cli_here(["data=mnist", f"data.root={tmp_path / 'data'}"], tmp_path,
+                                  monkeypatch, capsys)
+    finally:
+        raw.chmod(0o755)
+    assert code != 0 and "Traceback" not in text
+    assert f"permission denied: {raw}" in text and "point data.root at a place" in text
 
 
 def _a_run(run_dir: Path) -> Path:
@@ -87,7 +110,7 @@ def _snapshot(d: Path) -> dict[str, bytes]:
 def test_an_existing_run_dir_is_not_overwritten(tmp_path, monkeypatch, capsys):
     run_dir = _a_run(tmp_path / "old")
     before = _snapshot(run_dir)
-    code, text = run_here([f"hydra.run.dir={run_dir}", "model=mlp"], tmp_path, monkeypatch, capsys)
+    code, text = run_cli_here([f"hydra.run.dir={run_dir}", "model=mlp"], tmp_path, monkeypatch, capsys)
     assert code != 0 and "Traceback" not in text
     assert f"hydra.run.dir={run_dir} already holds a run" in text
     assert f"resume={run_dir}" in text and "overwrite=true" in text
@@ -102,7 +125,7 @@ def test_an_existing_run_dir_is_not_overwritten(tmp_path, monkeypatch, capsys):
 def test_overwrite_true_starts_the_run_over(tmp_path, monkeypatch, capsys):
     run_dir = _a_run(tmp_path / "old")
     (run_dir / "notes.txt").write_text("mine")  # not a run output: kept
-    code, text = run_here([f"hydra.run.dir={run_dir}", "overwrite=true", "model=mlp",
+    code, text = run_cli_here([f"hydra.run.dir={run_dir}", "overwrite=true", "model=mlp",
                            "trainer.max_epochs=1"], tmp_path, monkeypatch, capsys)
     assert code == 0, text
     metrics = json.loads((run_dir / "metrics.json").read_text())
@@ -133,11 +156,11 @@ def readonly_dir(tmp_path):
 
 def test_an_unwritable_output_dir_is_one_message(readonly_dir, tmp_path, monkeypatch, capsys):
     assert "cannot create the run dir" in writable_dir_problem(readonly_dir / "run")
-    code, text = run_here([f"hydra.run.dir={readonly_dir}/run"], tmp_path, monkeypatch, capsys)
+    code, text = run_cli_here([f"hydra.run.dir={readonly_dir}/run"], tmp_path, monkeypatch, capsys)
     assert code != 0 and "Traceback" not in text
     assert f"cannot create the run dir {readonly_dir}/run" in text and "hydra.run.dir" in text
     # The default ./outputs in a directory that cannot be written.
-    code, text = run_here([], readonly_dir, monkeypatch, capsys)
+    code, text = run_cli_here([], readonly_dir, monkeypatch, capsys)
     assert code != 0 and "cannot create the run dir outputs" in text and "Traceback" not in text
 
 
