@@ -108,9 +108,12 @@ def test_failing_rank_ends_the_run(workdir, mode, cause):
 def test_stalled_rank_is_named_with_its_stack(workdir):
     # Rank 1 hangs in its model's forward (outside any collective) at its 3rd call.
     started = time.time()
+    tmp = workdir / "tmp"  # where torch elastic and the watchdog keep their files
+    tmp.mkdir()
     res = run_cli([*TINY, *DDP2, *faulty("stall"), "trainer.dist_timeout_s=5"], workdir,
-                  env=plugin_env(), expect_ok=False, timeout=90)
+                  env={**plugin_env(), "TMPDIR": str(tmp)}, expect_ok=False, timeout=90)
     took = time.time() - started
+    assert list(tmp.iterdir()) == []  # no torchelastic_* dir left behind
     assert res.returncode != 0 and "Traceback" not in res.stderr
     assert "a worker stalled, so the whole run was stopped:" in res.stderr
     found = re.search(r"rank 1 \(pid \d+\) stalled in forward at step (\d+): no progress for (\d+) s",

@@ -196,3 +196,35 @@ def test_report_skips_a_malformed_metrics_file_and_says_so(tmp_path, capsys):
     assert report.main([str(tmp_path), "--plot", "/proc/nowhere/curves.png"]) == 1
     err = capsys.readouterr().err
     assert "--plot /proc/nowhere/curves.png: cannot write it" in err and "Traceback" not in err
+
+
+def test_workers_that_cannot_fit_in_memory_are_refused(tmp_path, monkeypatch, capsys, caplog):
+    from ddpexp.errors import ConfigError
+    from ddpexp.launch import Plan, check_resources
+
+    with pytest.raises(ConfigError, match=r"trainer.procs=64 starts 64 worker processes, at least "
+                                          r"18.8 GiB .* but 8.0 GiB is available; use trainer.procs=27"):
+        check_resources(Plan("ddp", 64, 1, 0), available=8 * 2**30, cores=2)
+    with caplog.at_level("WARNING", logger="ddpexp"):
+        check_resources(Plan("ddp", 4, 1, 0), available=64 * 2**30, cores=2)
+    assert "trainer.procs=4 CPU workers on 2 core(s)" in caplog.text
+    # Through the CLI, before any worker starts.
+    code, text = run_cli_here(["trainer.procs=100000"], tmp_path, monkeypatch, capsys)
+    assert code != 0 and "trainer.procs=100000 starts 100000 worker processes" in text
+    assert "Traceback" not in text and run_dirs(tmp_path) == []
+
+
+def test_unused_parameters_name_the_key_that_allows_them(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(PLUGINS)
+    # One DDP worker (in this process) behaves as several would.
+    args = ["model=mlp", "model._target_=faulty.Unused", "trainer.strategy=ddp", "trainer.max_epochs=1"]
+    for sub in "ab":
+        (tmp_path / sub).mkdir()
+    code, text = run_cli_here(args, tmp_path / "a", monkeypatch, capsys)
+    assert code != 0 and "Traceback" not in text
+    assert "Set trainer.find_unused_parameters=true" in text
+    code, text = run_cli_here([*args, "trainer.find_unused_parameters=true"], tmp_path / "b",
+                              monkeypatch, capsys)
+    assert code == 0, text
+    (run_dir,) = run_dirs(tmp_path / "b")
+    assert json.loads((run_dir / "metrics.json").read_text())["status"] == "completed"

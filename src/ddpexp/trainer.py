@@ -327,7 +327,16 @@ class Trainer:
                 group_end = min(i + accumulate, self.batches_per_epoch)
                 group_samples = min(self.rank_train_samples - i * bs, (group_end - i) * bs)
             last_micro = i + 1 == group_end
-            self._run_batch(batch, last_micro, group_samples)
+            try:
+                self._run_batch(batch, last_micro, group_samples)
+            except RuntimeError as exc:
+                if "find_unused_parameters" not in str(exc):
+                    raise
+                raise ConfigError(
+                    "some of the model's parameters take no part in the loss, which DDP refuses "
+                    "by default. Set trainer.find_unused_parameters=true (or use every "
+                    "parameter in forward)"
+                ) from None
             if self.bar is not None:
                 self.bar.update(1)
             if not last_micro:

@@ -62,3 +62,15 @@ class NoParams(nn.Module):
 
     def forward(self, x):
         return x.flatten(1)[:, : self.num_classes]
+
+
+class Unused(nn.Module):
+    """An MLP with a layer its forward never uses: DDP needs find_unused_parameters."""
+
+    def __init__(self, input_shape, num_classes, **mlp_kwargs):
+        super().__init__()
+        self.net = MLP(input_shape, num_classes, **mlp_kwargs)
+        self.spare = nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.net(x)
