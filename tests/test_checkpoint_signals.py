@@ -197,6 +197,7 @@ def test_a_second_sigint_still_leaves_a_status(workdir):
     proc = start_cli([*LONG, HUGE, f"hydra.run.dir={run_dir}"], workdir)
     wait_for(run_dir / "metrics.json", proc)  # the first epoch is done: the run is training
     proc.send_signal(signal.SIGINT)
+    time.sleep(0.01)  # two signals at once would count as one
     proc.send_signal(signal.SIGINT)
     res = finish(proc, timeout=60)
     assert not res.leftovers

@@ -15,11 +15,11 @@ import pytest
 from ddpexp import watchdog as wd
 
 # A "rank" that marks the given phases, then blocks in a function named for the test to find
-# in its stack dump.
+# in its stack dump. Local ranks 0 and 1 are global ranks 2 and 3, as on a second node.
 WORKER = textwrap.dedent("""
     import sys, time
     from ddpexp.watchdog import heartbeat_from_env
-    beat = heartbeat_from_env(int(sys.argv[1]))
+    beat = heartbeat_from_env(int(sys.argv[1]), rank=int(sys.argv[1]) + 2)
     for phase in map(int, sys.argv[2].split(",")):
         beat.mark(phase, 7)
 
@@ -82,11 +82,11 @@ def test_watchdog_dumps_the_stalled_ranks_stack_and_kills_the_workers(tmp_path: 
                 p.kill()
     assert wd.ENV_SLOTS not in os.environ and not Path(dog.path).exists()
     assert dog.message is not None
-    assert "rank 1 (pid %d) stalled in forward at step 7" % procs[1].pid in dog.message
-    assert "rank 0" not in dog.message.split("\n")[1]
+    assert "rank 3 (pid %d) stalled in forward at step 7" % procs[1].pid in dog.message
+    assert "(rank 2 waited" in dog.message
     assert codes == [-9, -9]  # every local worker killed
     log = log_file.read_text()
-    assert "[rank1] stalled in forward at step 7" in log
+    assert "[rank3] stalled in forward at step 7" in log
     # faulthandler's dump of rank 1, taken before it was killed.
     assert "stuck_in_user_code" in log and "most recent call first" in log
 

@@ -69,7 +69,7 @@ class Trainer:
     ):
         self.t, self.ctx, self.run_dir = cfg, ctx, Path(run_dir)
         # Where this rank is, for the launching process's stall watchdog (a no-op without one).
-        self.beat = heartbeat_from_env(ctx.local_rank, ctx.restart)
+        self.beat = heartbeat_from_env(ctx.local_rank, ctx.restart, ctx.rank)
         self.task, self.data, self.seed = task, data, seed
         self.config = config or {}
         self.hparams = hparams or {}

@@ -41,8 +41,9 @@ SETUP, DATA, FORWARD, BACKWARD, OPTIMIZER, VALIDATION, CHECKPOINT, DONE = range(
 ENV_SLOTS = "DDPEXP_HEARTBEAT_FILE"
 ENV_STACK_LOG = "DDPEXP_STACK_LOG"
 
-# A slot: phase changes so far, step, phase, wall time of the change, pid, restart round.
-_SLOT = struct.Struct("<qqqdqq")
+# A slot: phase changes so far, step, phase, wall time of the change, pid, restart round,
+# global rank (the slot's index is the local rank).
+_SLOT = struct.Struct("<qqqdqqq")
 _STRIDE = 64
 # With a watchdog the collectives wait this much longer than trainer.dist_timeout_s, so
 # that the watchdog, which names the stalled rank, acts before torch's timeout, which names
@@ -55,7 +56,7 @@ DUMP_WAIT_S = 3.0
 
 @dataclass(frozen=True)
 class Beat:
-    """One rank's last recorded position."""
+    """One rank's last recorded position (``rank`` is the global rank)."""
 
     rank: int
     count: int
@@ -107,7 +108,7 @@ class Heartbeat:
     """This rank's slot. :meth:`mark` costs one ``struct.pack_into`` into shared memory."""
 
     def __init__(self, slots_path: str, local_rank: int, restart: int = 0,
-                 stack_log: Optional[str] = None) -> None:
+                 stack_log: Optional[str] = None, rank: Optional[int] = None) -> None:
         fd = os.open(slots_path, os.O_RDWR)
         try:
             self._mm: Optional[mmap.mmap] = mmap.mmap(fd, 0)
@@ -117,6 +118,7 @@ class Heartbeat:
         self._count = 0
         self._pid = os.getpid()
         self._restart = restart
+        self._rank = local_rank if rank is None else rank
         self._stack_file: Optional[IO[str]] = None
         if stack_log:
             # faulthandler writes through this file descriptor from its signal handler,
@@ -130,7 +132,7 @@ class Heartbeat:
         """Record that this rank entered ``phase`` (one of the module's constants) at ``step``."""
         self._count += 1
         _SLOT.pack_into(self._mm, self._offset, self._count, step, phase, time.time(),
-                        self._pid, self._restart)
+                        self._pid, self._restart, self._rank)
 
     def close(self) -> None:
         """Mark the rank done (the watchdog then leaves it alone) and release the slot."""
@@ -154,12 +156,13 @@ class NoHeartbeat:
         """Nothing to release."""
 
 
-def heartbeat_from_env(local_rank: int, restart: int = 0) -> Heartbeat | NoHeartbeat:
+def heartbeat_from_env(local_rank: int, restart: int = 0,
+                       rank: Optional[int] = None) -> Heartbeat | NoHeartbeat:
     """This worker's heartbeat if the launching process runs a watchdog, else a no-op."""
     path = os.environ.get(ENV_SLOTS)
     if not path or not Path(path).is_file():
         return NoHeartbeat()
-    return Heartbeat(path, local_rank, restart, os.environ.get(ENV_STACK_LOG))
+    return Heartbeat(path, local_rank, restart, os.environ.get(ENV_STACK_LOG), rank)
 
 
 # ------------------------------------------------------------------------------ watchdog
@@ -179,9 +182,10 @@ def read_beats(slots_path: str, nprocs: int) -> list[Beat]:
     data = Path(slots_path).read_bytes()
     beats = []
     for rank in range(nprocs):
-        fields = _SLOT.unpack_from(data, rank * _STRIDE)
+        *fields, global_rank = _SLOT.unpack_from(data, rank * _STRIDE)
         if fields[0] > 0:
-            beats.append(Beat(rank, *fields))
+            # Rank numbers in messages are global ranks (on several nodes, not the slot's).
+            beats.append(Beat(global_rank, *fields))
     return beats
 
 
