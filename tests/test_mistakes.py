@@ -200,7 +200,8 @@ def test_report_skips_a_malformed_metrics_file_and_says_so(tmp_path, capsys):
 
 def test_workers_that_cannot_fit_in_memory_are_refused(tmp_path, monkeypatch, capsys, caplog):
     from ddpexp.errors import ConfigError
-    from ddpexp.launch import Plan, check_resources
+    from ddpexp.launch import Plan
+    from ddpexp.resources import check_resources
 
     with pytest.raises(ConfigError, match=r"trainer.procs=64 starts 64 worker processes, at least "
                                           r"18.8 GiB .* but 8.0 GiB is available; use trainer.procs=27"):
