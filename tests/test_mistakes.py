@@ -136,6 +136,35 @@ def test_overwrite_true_starts_the_run_over(tmp_path, monkeypatch, capsys):
     assert "log\n" not in (run_dir / "ddpexp.log").read_text()[:4]
 
 
+def _mount_tmpfs(path: Path, options: str) -> bool:
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A file system with room for a run's config and log but not its checkpoint (a small
+    tmpfs; mounting one needs root)."""
+    path = tmp_path / "small"
+    path.mkdir()
+    if os.geteuid() != 0 or not _mount_tmpfs(path, "size=160k"):
+        pytest.skip("no small file system can be mounted here")
+    yield path
+    subprocess.run(["umount", str(path)], check=False)
+
+
+def test_a_full_disk_is_one_message(full_disk, tmp_path, monkeypatch, capsys):
+    run_dir = full_disk / "run"
+    code, text = run_cli_here([f"hydra.run.dir={run_dir}", "trainer.max_epochs=1"], tmp_path,
+                              monkeypatch, capsys)
+    assert code != 0 and "Traceback" not in text and "unexpected pos" not in text
+    assert f"no space left on the device that holds {run_dir}/checkpoints/last.pt" in text
+    assert "point hydra.run.dir at another disk" in text
+    assert not list((run_dir / "checkpoints").glob("*.pt*"))  # no partial checkpoint
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["status"] == "failed" and "no space left" in metrics["error"]
+
+
 @pytest.fixture
 def readonly_dir(tmp_path):
     """A directory nobody may write to: a read-only mount for root (whom permissions do not
@@ -147,8 +176,7 @@ def readonly_dir(tmp_path):
         yield path
         path.chmod(0o755)
         return
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)],
-                      capture_output=True).returncode != 0:
+    if not _mount_tmpfs(path, "ro,size=64k"):
         pytest.skip("root, and no read-only mount possible here")
     yield path
     subprocess.run(["umount", str(path)], check=False)
