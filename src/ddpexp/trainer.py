@@ -417,7 +417,7 @@ class Trainer:
         if self._train_sums is None:
             self._train_sums = torch.zeros(len(self._train_names), dtype=torch.float64,
                                            device=self.device)
-        values = torch.stack([out[k].detach().float() for k in self._train_names])
+        values = torch.stack([out[k].detach().double() for k in self._train_names])
         self._train_sums.add_(values, alpha=n)
         self._seen += n
 
@@ -540,7 +540,7 @@ class Trainer:
             with self._autocast():
                 out = self.task.validation_step(self.module, batch)
             n = self.task.batch_size(batch)
-            sums.add_(torch.stack([out[k].detach().float() for k in names]), alpha=n)
+            sums.add_(torch.stack([out[k].detach().double() for k in names]), alpha=n)
             count += n
         *totals, count = self._reduce(sums, count)
         return self._means(names, totals, count, prefix)
