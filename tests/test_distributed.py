@@ -114,7 +114,8 @@ def test_stalled_rank_is_named_with_its_stack(workdir):
     res = run_cli([*TINY, *DDP2, *faulty("stall"), "trainer.dist_timeout_s=5"], workdir,
                   env={**plugin_env(), "TMPDIR": str(tmp)}, expect_ok=False, timeout=90)
     took = time.time() - started
-    assert list(tmp.iterdir()) == []  # no torchelastic_* dir left behind
+    # No torch elastic dir left behind (torch's own caches, torchinductor_*, may stay).
+    assert not [p.name for p in tmp.iterdir() if "elastic" in p.name]
     assert res.returncode != 0 and "Traceback" not in res.stderr
     assert "a worker stalled, so the whole run was stopped:" in res.stderr
     found = re.search(r"rank 1 \(pid \d+\) stalled in forward at step (\d+): no progress for (\d+) s",
