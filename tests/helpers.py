@@ -67,6 +67,7 @@ def run_cli_here(args: Sequence[str], cwd: Path, monkeypatch, capsys) -> tuple[i
     monkeypatch.setattr(sys, "argv", ["ddpexp", *args])
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     monkeypatch.setattr(ddpexp.proc, "exit_now", exit_now)
+    capsys.readouterr()  # what the test printed before is not the CLI's
     with pytest.raises(SystemExit) as exited:
         cli()
     code = exited.value.code
