@@ -33,10 +33,27 @@ def save_atomic(obj: dict, path: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except RuntimeError as exc:
+        tmp.unlink(missing_ok=True)
+        # torch's archive writer reports a short write ("unexpected pos ...", "file write
+        # failed") without the errno; a full disk is by far the usual cause.
+        if _disk_full(path.parent):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from None
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def _disk_full(directory: Path, need: int = 1 << 20) -> bool:
+    """Whether less than ``need`` bytes are free where ``directory`` lives."""
+    import shutil
+
+    try:
+        return shutil.disk_usage(directory).free < need
+    except OSError:
+        return False
 
 
 def link_atomic(src: Path, dst: Path) -> None:

@@ -82,12 +82,18 @@ def read_run(run_dir: Path, job: Optional[str] = None) -> Row:
     except (OSError, ValueError) as exc:
         row.status, row.error = "unreadable", f"{path}: {exc}"
         return row
+    if not isinstance(data, dict):
+        row.status = "unreadable"
+        row.error = f"{path} holds a JSON {type(data).__name__}, not a run's metrics object"
+        return row
     monitor = data.get("monitor")
+    if not isinstance(monitor, str):
+        monitor = None
     row.status = str(data.get("status", "unknown"))
     row.monitor = monitor
     row.monitor_mode = str(data.get("monitor_mode", "max"))
-    row.final = _number((data.get("final") or {}).get(monitor)) if monitor else None
-    row.best = _number((data.get("best") or {}).get(monitor)) if monitor else None
+    row.final = _number(_entry(data, "final", monitor))
+    row.best = _number(_entry(data, "best", monitor))
     row.epochs = data.get("epochs")
     row.steps = data.get("steps")
     row.wall_time_s = _number(data.get("wall_time_s"))
@@ -325,8 +331,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     groups = group_seeds(rows) if args.group_seeds else None
     sys.stdout.write(format_groups(groups, args.format) if groups is not None
                      else format_rows(rows, args.format))
+    for row in rows:
+        if row.status == "unreadable":
+            print(f"note: run {row.job} skipped: {row.error}", file=sys.stderr)
     if args.plot is not None:
-        _plot(rows, groups, args.plot)
+        try:
+            _plot(rows, groups, args.plot)
+        except OSError as exc:
+            print(f"--plot {args.plot}: cannot write it ({exc.strerror or exc}); pick a path in "
+                  "a directory you can write to", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -386,6 +400,12 @@ def _read_seed(run_dir: Path) -> Optional[int]:
     except (OSError, yaml.YAMLError, AttributeError):
         return None
     return seed if isinstance(seed, int) and not isinstance(seed, bool) else None
+
+
+def _entry(data: dict, section: str, monitor: Optional[str]) -> Any:
+    """``data[section][monitor]`` where both exist and ``data[section]`` is a mapping."""
+    node = data.get(section)
+    return node.get(monitor) if monitor and isinstance(node, dict) else None
 
 
 def _number(value: Any) -> Optional[float]:

@@ -100,6 +100,11 @@ def run_worker(payload: WorkerPayload) -> Optional[dict]:
             interrupted = result["status"] == "interrupted"
         if interrupted and ctx.world_size > 1:
             dist.barrier()  # rank 0 has written metrics.json: nobody exits before that
+    except OSError as exc:  # an unreadable data.root, a full disk: one message, not errno
+        _log_traceback(payload.log_file, ctx.rank)
+        from ddpexp.failures import explain_os_error
+
+        raise explain_os_error(exc, cfg["data"].get("root"), payload.run_dir) from None
     except Exception:
         _log_traceback(payload.log_file, ctx.rank)
         raise

@@ -494,8 +494,8 @@ def report(launcher: Any, jobs: List[Job], sweep_dir: Path) -> None:
         if not ok:
             # What the job process knew; metrics.json may say less (a job that failed before
             # training wrote none).
-            if row.status not in ("failed", "interrupted"):
-                row.status = "failed"
+            if row.status not in ("failed", "interrupted", "diverged"):
+                row.status = "not run" if str(cause).startswith("not run") else "failed"
             row.error = row.error or cause
         elif row.status == report.NO_METRICS:  # any Hydra app: the job's own outcome
             row.status = "completed"
@@ -506,7 +506,12 @@ def report(launcher: Any, jobs: List[Job], sweep_dir: Path) -> None:
         log.info("sweep summary (%s):\n%s", sweep_dir / "summary.csv",
                  report.format_rows(ordered, "text").rstrip())
     failures = [j for j in jobs if j.ret is not None and j.ret.status == JobStatus.FAILED]
+    skipped = [j for j in failures if isinstance(j.ret._return_value, JobSkipped)]  # type: ignore[union-attr]
+    failures = [j for j in failures if j not in skipped]
     if failures:
         lines = [f"  {j.label}\n      " + _cause(j.ret).strip().replace("\n", "\n      ")  # type: ignore[arg-type]
                  for j in failures]
         log.error("%d of %d job(s) failed:\n%s", len(failures), len(jobs), "\n".join(lines))
+    if skipped:
+        log.error("%d of %d job(s) not run (%s)", len(skipped), len(jobs),
+                  _cause(skipped[0].ret).removeprefix("not run: "))  # type: ignore[arg-type]
