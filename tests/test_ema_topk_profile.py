@@ -211,3 +211,16 @@ def _train_steps_with(prof: StepProfiler, model: nn.Module, steps: int) -> None:
     for i in range(steps):
         _train(model, 1, seed=i)
         prof.step()
+
+
+def test_a_run_shorter_than_its_warmup_warms_up_over_all_but_its_last_step():
+    from ddpexp.schedulers import cosine
+
+    opt = torch.optim.SGD(_net().parameters(), lr=1.0)
+    sched = cosine(opt, total_steps=3, steps_per_epoch=3, warmup_steps=50)
+    lrs = []
+    for _ in range(3):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs == [0.5, 1.0, 1.0]  # warm-up over 2 steps, then the cosine from lr
