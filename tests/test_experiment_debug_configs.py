@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from ddpexp import report
 from conftest import read_metrics, read_scalars, run_cli, run_dirs
 from helpers import build_trainer, compose_config
 from test_data_models import write_cifar10, write_mnist
@@ -157,6 +158,9 @@ def test_debug_fast_two_workers_ends_quickly_and_quietly(workdir):
     assert (metrics["status"], metrics["world_size"], metrics["steps"]) == ("completed", 2, 2)
     assert not list(workdir.rglob("summary.csv"))
     assert "sweep summary" not in res.output
+    # The report of all runs leaves debug runs out; asked for, it shows them.
+    assert report.collect(workdir / "outputs") == []
+    assert [r.status for r in report.collect(workdir / "outputs" / "debug")] == ["completed"]
 
 
 @pytest.mark.slow
