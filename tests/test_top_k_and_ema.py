@@ -70,6 +70,9 @@ def test_ema_weights_are_validated_and_are_what_best_pt_holds(tmp_path):
     fresh.module.load_state_dict(best["model"])
     monitor = result["monitor"]
     assert fresh.evaluate(fresh.val_loader, "val")[monitor] == pytest.approx(result["best"][monitor], abs=1e-12)
+    # The test split was evaluated with best.pt's averaged weights too.
+    test = fresh.evaluate(fresh.eval_loader(fresh.test_ds), "test")
+    assert result["test"]["test/loss"] == pytest.approx(test["test/loss"], abs=1e-12)
     # ... and the raw weights do not (the averaged ones are what was validated).
     fresh.module.load_state_dict(best["raw_model"])
     assert fresh.evaluate(fresh.val_loader, "val")["val/loss"] != best["metrics"]["val/loss"]

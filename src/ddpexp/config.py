@@ -76,6 +76,9 @@ class TrainerConfig:
     monitor_mode: Optional[MonitorMode] = None
     # Validations without a strict improvement before stopping; None = never.
     early_stop_patience: Optional[int] = None
+    # After training, evaluate best.pt on the data's test split (test/<name> in metrics.json);
+    # selection (best.pt, early stopping, sweeps) never looks at it.
+    test: bool = True
     sync_batchnorm: bool = False
     # torch.compile the training forward.
     compile: bool = False

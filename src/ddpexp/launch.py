@@ -140,7 +140,7 @@ def run(cfg: DictConfig) -> Optional[float]:
     started = time.time()
     preempt = Preemption()
     try:
-        result = _dispatch(plan, cfg, payload)
+        result = dispatch(plan, cfg, payload)
     except RunInterrupted as exc:
         _record_failure(run_dir, exc, started)
         preempt.requeue(exc.signal)
@@ -156,10 +156,12 @@ def run(cfg: DictConfig) -> Optional[float]:
         raise RunInterrupted((f"stopped by {by}; " if by else "") + _resume_hint(run_dir, hydra_cfg),
                              signal=by)
     best = result["best"].get(result["monitor"])
-    log.info("%s: %d epochs, %d steps, best %s %s; run dir %s", result["status"],
+    tested = {k: v for k, v in result.get("test", {}).items() if k.startswith("test/")}
+    log.info("%s: %d epochs, %d steps, best %s %s%s; run dir %s", result["status"],
              result["epochs"], result["steps"], result["monitor"],
-             "n/a" if best is None else f"{best:.4f}", run_dir)
-    return best
+             "n/a" if best is None else f"{best:.4f}",
+             "".join(f", {k} {v:.4f}" for k, v in tested.items()), run_dir)
+    return best  # selection is on validation only: the test metrics are never returned
 
 
 def _resolve_monitor(plain: dict) -> None:
@@ -215,7 +217,10 @@ class Preemption:
             handler(getattr(signal, signal_name), None)
 
 
-def _dispatch(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
+def dispatch(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
+    """Run ``payload`` as ``plan`` says: in this process, under torch elastic, or as this
+    SLURM task's rank; global rank 0 gets the worker's result. Training runs and
+    ``ddpexp.eval`` both come through here."""
     from ddpexp.worker import run_worker
 
     if _slurm_ranks():

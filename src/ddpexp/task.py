@@ -112,7 +112,8 @@ class Classification(Task):
         x, y = _pair(batch, "classification")
         logits = _output(model(x), "classification").float()
         loss = F.cross_entropy(logits, y)
-        acc = (logits.detach().argmax(1) == y).float().mean()
+        # float64: k/n exact to 1e-16, so that summing n * acc over batches recounts k.
+        acc = (logits.detach().argmax(1) == y).double().mean()
         return {"loss": loss, "acc": acc}
 
 
@@ -157,7 +158,7 @@ class LanguageModel(Task):
                 "it must return logits of shape (batch, time, vocabulary), e.g. model=gpt"
             )
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        acc = (logits.detach().argmax(-1) == y).float().mean()
+        acc = (logits.detach().argmax(-1) == y).double().mean()
         return {"loss": loss, "acc": acc}
 
     def derived(self, means: Mapping[str, float]) -> dict[str, float]:

@@ -210,6 +210,7 @@ class Trainer:
         self.metrics: dict[str, float] = {}
         self.history: list[dict] = []
         self.status = "running"
+        self.test_metrics: dict = {}  # test/<name> of best.pt and its epoch, once tested
         self.started = time.time()
         # Per-name sums (weighted by samples) of the training metrics not yet logged.
         self._train_names: Optional[list[str]] = None
@@ -257,6 +258,8 @@ class Trainer:
                     self.profiler.close()
         if self.status == "running":
             self.status = "completed"
+        if self.t.test and self.status in ("completed", "early_stopped"):
+            self._test()
         result = self._result()
         if self.ctx.is_main:
             write_metrics(self.run_dir, result)
@@ -374,7 +377,7 @@ class Trainer:
         if self._train_sums is None:
             self._train_sums = torch.zeros(len(self._train_names), dtype=torch.float64,
                                            device=self.device)
-        values = torch.stack([out[k].detach().float() for k in self._train_names])
+        values = torch.stack([out[k].detach().double() for k in self._train_names])
         self._train_sums.add_(values, alpha=n)
         self._seen += n
 
@@ -465,10 +468,63 @@ class Trainer:
             with self._autocast():
                 out = self.task.validation_step(self.module, batch)
             n = self.task.batch_size(batch)
-            sums.add_(torch.stack([out[k].detach().float() for k in names]), alpha=n)
+            sums.add_(torch.stack([out[k].detach().double() for k in names]), alpha=n)
             count += n
         *totals, count = self._reduce(sums, count)
         return self._means(names, totals, count, prefix)
+
+    def _test(self) -> None:
+        """Evaluate ``best.pt`` (the monitored best, not the last weights) on the test split:
+        ``test/<name>`` in metrics.json, TensorBoard and the log."""
+        if self.test_ds is None or len(self.test_ds) == 0:
+            if self.ctx.is_main:
+                log.info("no test split in data=%s: test skipped", type(self.data).__name__)
+            return
+        best = self.ckpt_dir / ckpt_io.BEST
+        if self.ctx.is_main and not best.is_file():
+            log.warning("%s does not exist: test skipped", best)
+        # The trainer keeps its last weights after fit(); best.pt's are only borrowed.
+        last = {k: v.to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+        result = self.evaluate_checkpoint(best, "test")
+        self.module.load_state_dict(last)
+        if result is None:
+            return
+        values = result["metrics"]
+        self.test_metrics = {**values, "epoch": result["epoch"]}
+        if self.ctx.is_main:
+            if self.tb is not None:
+                self.tb.scalars(self.step, values)
+            shown = "  ".join(f"{k} {v:.4f}" for k, v in values.items())
+            log.info("test (best.pt, epoch %d, %d samples)  %s", result["epoch"],
+                     result["samples"], shown)
+
+    def evaluate_checkpoint(self, path: Path, split: str = "test") -> Optional[dict]:
+        """The task's metrics of checkpoint ``path``'s weights on ``split`` (``test`` or
+        ``val``), with every rank, each sample counted once: ``{"metrics": {split/<name>:
+        ..}, "epoch": the epoch those weights ended, "samples": n}``, or ``None`` where rank 0
+        finds no such file. Rank 0 reads the file and broadcasts the weights, so ranks on
+        other nodes need no shared file system. Every rank must call it."""
+        dataset = {"test": self.test_ds, "val": self.val_ds}[split]
+        if dataset is None or len(dataset) == 0:
+            raise ConfigError(f"data={type(self.data).__name__} has no {split} split; "
+                              "evaluate split=val, or give the data a test split")
+        epoch = torch.tensor([-1], dtype=torch.long, device=self.device)
+        if self.ctx.is_main and Path(path).is_file():
+            state = ckpt_io.load(path, map_location=self.device)
+            self.module.load_state_dict(state["model"])
+            # The epoch whose weights these are: the last validated one when it was saved.
+            history = state.get("history") or [{"epoch": max(0, state.get("epoch", 1) - 1)}]
+            epoch.fill_(int(history[-1]["epoch"]))
+        if self.ctx.world_size > 1:
+            dist.broadcast(epoch, src=0)
+            for tensor in self.module.state_dict().values():
+                dist.broadcast(tensor, src=0)
+        if int(epoch) < 0:
+            return None
+        # The weights just loaded are the ones to evaluate (with EMA, the averaged ones of
+        # that checkpoint), not the run's current average.
+        values = self._evaluate(self.eval_loader(dataset), split)
+        return {"metrics": values, "epoch": int(epoch), "samples": len(dataset)}
 
     def _sync_buffers(self) -> None:
         """Give every rank rank 0's buffers (BatchNorm statistics) before evaluating, so all
@@ -709,6 +765,7 @@ class Trainer:
             "world_size": self.ctx.world_size,
             "wall_time_s": round(time.time() - self.started, 3),
             **({"stopped_by": self.stop.name} if self.status == "interrupted" and self.stop else {}),
+            **({"test": self.test_metrics} if self.test_metrics else {}),
         }
 
 
