@@ -248,18 +248,19 @@ class Trainer:
             self._load(resume_from)
         if self.ctx.is_main:
             self._open_outputs(resumed=resume_from is not None)
-        with self.stop, debug_modes(self.t):
-            try:
-                self._loop()
-            finally:
-                if self.bar is not None:
-                    self.bar.close()
-                if self.profiler is not None:
-                    self.profiler.close()
-        if self.status == "running":
-            self.status = "completed"
-        if self.t.test and self.status in ("completed", "early_stopped"):
-            self._test()
+        with debug_modes(self.t):
+            with self.stop:
+                try:
+                    self._loop()
+                finally:
+                    if self.bar is not None:
+                        self.bar.close()
+                    if self.profiler is not None:
+                        self.profiler.close()
+            if self.status == "running":
+                self.status = "completed"
+            if self.t.test and self.status in ("completed", "early_stopped"):
+                self._test()
         result = self._result()
         if self.ctx.is_main:
             write_metrics(self.run_dir, result)
