@@ -187,3 +187,19 @@ def test_experiments_in_a_sweep(workdir):
     assert by_job["0"]["monitor"] == "val/acc" and by_job["1"]["monitor"] == "val/mse"
     assert all(m["status"] == "completed" and m["steps"] == 2 for m in by_job.values())
     assert "experiment=diabetes_mlp" in res.output
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.save_top_k=0", r"trainer.save_top_k=0 must be >= 1 \(or null\)"),
+    ("trainer.limit_train_batches=0", r"trainer.limit_train_batches=0 must be >= 1 \(or null\)"),
+    ("trainer.overfit_batches=-1", r"trainer.overfit_batches=-1 must be >= 1 \(or null\)"),
+    ("trainer.ema_decay=1.0", r"trainer.ema_decay=1.0 must be in \[0, 1\)"),
+])
+def test_bad_values_of_the_new_keys_are_named(override, message):
+    from omegaconf import OmegaConf
+
+    from ddpexp.config import validate
+    from ddpexp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        validate(OmegaConf.create(compose_config(override)))
