@@ -91,6 +91,23 @@ class TrainerConfig:
     # DDP's find_unused_parameters: for models whose forward leaves some parameters out of
     # the loss (costs an extra graph traversal per step, so off unless asked for).
     find_unused_parameters: bool = False
+    # Batches per worker per epoch (the first N of each epoch's shard); null = all.
+    limit_train_batches: Optional[int] = None
+    # Validation batches per worker; null = the whole validation set.
+    limit_val_batches: Optional[int] = None
+    # Train on the same first N batches every epoch, unshuffled, and validate on them.
+    overfit_batches: Optional[int] = None
+    # torch.profiler over N optimizer steps after 2 warm-up steps (profile/trace.json).
+    profile_steps: Optional[int] = None
+    # Keep the K best checkpoints by `monitor` besides last.pt and best.pt; null = none.
+    save_top_k: Optional[int] = None
+    # Exponential moving average of the weights (e.g. 0.999), used for validation, test,
+    # best.pt and the sweep's value; null = off.
+    ema_decay: Optional[float] = None
+    # torch.autograd anomaly detection: the backward op that made a NaN/inf is named.
+    detect_anomaly: bool = False
+    # torch.use_deterministic_algorithms(True): ops without a deterministic kernel raise.
+    deterministic: bool = False
 
 
 @dataclass
@@ -244,6 +261,12 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.procs={t.procs} must be >= 1 (or null)")
     if t.max_steps is not None and t.max_steps < 1:
         raise ConfigError(f"trainer.max_steps={t.max_steps} must be >= 1 (or null)")
+    for key in ("limit_train_batches", "limit_val_batches", "overfit_batches", "profile_steps",
+                "save_top_k"):
+        if t[key] is not None and t[key] < 1:
+            raise ConfigError(f"trainer.{key}={t[key]} must be >= 1 (or null)")
+    if t.ema_decay is not None and not 0.0 <= t.ema_decay < 1.0:
+        raise ConfigError(f"trainer.ema_decay={t.ema_decay} must be in [0, 1) (e.g. 0.999), or null")
     if t.max_restarts < 0:
         raise ConfigError(f"trainer.max_restarts={t.max_restarts} must be >= 0")
     if t.dist_timeout_s <= 0:

@@ -114,13 +114,15 @@ def test_name(monitor: str) -> str:
 
 def run_dirs(root: Path) -> list[Path]:
     """Run dirs under ``root`` (``root`` itself if it is one): dirs that hold
-    ``.hydra/config.yaml`` or ``metrics.json``."""
+    ``.hydra/config.yaml`` or ``metrics.json``. The runs of ``debug=...`` configs, in
+    ``root/debug/``, are left out unless asked for (``outputs/debug``)."""
     root = Path(root)
     if _is_run_dir(root):
         return [root]
     found = {p.parent for p in root.rglob(METRICS_FILE)}
     found |= {p.parent.parent for p in root.rglob("config.yaml") if p.parent.name == ".hydra"}
-    return sorted((d for d in found if ".hydra" not in d.relative_to(root).parts),
+    return sorted((d for d in found if ".hydra" not in d.relative_to(root).parts
+                   and d.relative_to(root).parts[:1] != ("debug",)),
                   key=lambda d: _natural_key(d.relative_to(root)))
 
 

@@ -8,12 +8,15 @@ step. Warm-up is linear from ``lr / warmup_steps`` to ``lr`` over the first ``wa
 
 from __future__ import annotations
 
+import logging
 import math
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR
 
 from ddpexp.errors import ConfigError
+
+log = logging.getLogger("ddpexp")
 
 
 class _Factor:
@@ -37,20 +40,23 @@ class _Factor:
         return self.gamma ** (epoch // self.step_size)
 
 
-def _check_warmup(warmup_steps: int, total_steps: int) -> None:
+def _check_warmup(warmup_steps: int, total_steps: int) -> int:
+    """The warm-up to use. A run shorter than its recipe's warm-up (``debug=fast``,
+    ``trainer.limit_train_batches``, a small ``max_steps``) warms up over all but its last
+    step instead of failing, so that any recipe can be tried in a few steps."""
     if warmup_steps < 0:
         raise ConfigError(f"scheduler.warmup_steps={warmup_steps} must be >= 0")
     if warmup_steps >= total_steps:
-        raise ConfigError(
-            f"scheduler.warmup_steps={warmup_steps} must be below the run's "
-            f"{total_steps} optimizer steps"
-        )
+        log.info("scheduler.warmup_steps=%d is not below this run's %d optimizer steps: "
+                 "warming up over %d", warmup_steps, total_steps, total_steps - 1)
+        return max(0, total_steps - 1)
+    return warmup_steps
 
 
 def cosine(optimizer: Optimizer, total_steps: int, steps_per_epoch: int,
            warmup_steps: int = 0, min_lr: float = 0.0) -> LRScheduler:
     """lr(s) = min_lr + (lr - min_lr) * (1 + cos(pi * (s - w) / (T - w))) / 2 after warm-up."""
-    _check_warmup(warmup_steps, total_steps)
+    warmup_steps = _check_warmup(warmup_steps, total_steps)
     base = optimizer.param_groups[0]["lr"]
     ratio = min_lr / base if base > 0 else 0.0
     return LambdaLR(optimizer, _Factor("cosine", total_steps, steps_per_epoch, warmup_steps, ratio))
@@ -59,7 +65,7 @@ def cosine(optimizer: Optimizer, total_steps: int, steps_per_epoch: int,
 def step(optimizer: Optimizer, total_steps: int, steps_per_epoch: int,
          step_size: int = 3, gamma: float = 0.1, warmup_steps: int = 0) -> LRScheduler:
     """lr(s) = lr * gamma ** (epoch(s) // step_size) after warm-up, like StepLR per epoch."""
-    _check_warmup(warmup_steps, total_steps)
+    warmup_steps = _check_warmup(warmup_steps, total_steps)
     if step_size < 1:
         raise ConfigError(f"scheduler.step_size={step_size} must be >= 1")
     return LambdaLR(

@@ -12,6 +12,7 @@ other ranks only at log steps and epoch ends, so it costs what a hand-written DD
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import math
@@ -24,16 +25,18 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset, Subset, default_collate
 
 from ddpexp import checkpoint as ckpt_io
 from ddpexp import pruning
 from ddpexp.config import Strategy, TrainerConfig, trainer_config
 from ddpexp.data import DataSource, ResumableDistributedSampler
 from ddpexp.dist import DistContext, derive_seed, rng_state, seed_everything, set_rng_state
+from ddpexp.ema import EMA
 from ddpexp.errors import ConfigError
 from ddpexp.signals import StopRequested
 from ddpexp.task import Task
+from ddpexp.topk import TopK
 from ddpexp.watchdog import (BACKWARD, CHECKPOINT, DATA, FORWARD, OPTIMIZER, VALIDATION,
                              heartbeat_from_env)
 
@@ -85,9 +88,17 @@ class Trainer:
         self.reporter = pruning.from_env() if ctx.is_main else None
         self.tb = None
         self.bar = None
+        self.profiler = None  # rank 0 starts one in fit() when trainer.profile_steps is set
+        if cfg.deterministic:
+            # cuBLAS is deterministic only with a fixed workspace, chosen before its first use.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         self._build_loaders(datasets)
         self._wrap_model(model)
         self._build_optimization(optimizer, scheduler)
+        # The average follows the unwrapped model's own tensors; DDP keeps them identical on
+        # every rank, so every rank's average is identical without communication.
+        self.ema = EMA(self.module, cfg.ema_decay) if cfg.ema_decay is not None else None
+        self.top_k = TopK(cfg.save_top_k, self.monitor, self.monitor_mode) if cfg.save_top_k else None
         self._init_state()
         self.val_names = self._check_task()
 
@@ -129,25 +140,36 @@ class Trainer:
     def _build_loaders(self, datasets: Sequence[Dataset]) -> None:
         train_ds, self.val_ds = datasets[0], datasets[1]
         self.test_ds = datasets[2] if len(datasets) > 2 else None
+        overfit = self.t.overfit_batches
         self.train_sampler = ResumableDistributedSampler(
             train_ds, num_replicas=self.ctx.world_size, rank=self.ctx.rank,
-            shuffle=True, seed=self.seed, drop_last=False,
+            shuffle=overfit is None, seed=self.seed, drop_last=False,
         )
         self.rank_seed = derive_seed(self.seed, self.ctx.rank)
         self.train_loader = self.data.loader(
             train_ds, self.train_sampler, seed=self.rank_seed,
             on_gpu=self.device.type == "cuda", train=True,
         )
+        limit = overfit or self.t.limit_train_batches
+        self.batches_per_epoch = len(self.train_loader) if limit is None else \
+            min(limit, len(self.train_loader))
+        self.rank_train_samples = min(len(self.train_sampler),
+                                      self.batches_per_epoch * self.data.batch_size)
+        if overfit is not None:
+            # Unshuffled, rank r trains on indices r, r + world, ...: the first batches of all
+            # ranks together are the dataset's first samples, which are validated on.
+            trained = min(len(train_ds), overfit * self.data.batch_size * self.ctx.world_size)
+            self.val_ds = Subset(train_ds, range(trained))
         self.val_loader = self.eval_loader(self.val_ds)
-        self.rank_train_samples = len(self.train_sampler)
-        self.batches_per_epoch = len(self.train_loader)
 
     def eval_loader(self, dataset: Dataset):
         """This rank's shard of ``dataset``, without padding, so that every sample counts
         exactly once whatever the world size."""
         shard = range(self.ctx.rank, len(dataset), self.ctx.world_size)
-        return self.data.loader(dataset, list(shard), seed=self.rank_seed,
-                                on_gpu=self.device.type == "cuda", train=False)
+        loader = self.data.loader(dataset, list(shard), seed=self.rank_seed,
+                                  on_gpu=self.device.type == "cuda", train=False)
+        limit = self.t.limit_val_batches
+        return loader if limit is None else FirstBatches(loader, limit)
 
     def _wrap_model(self, model: nn.Module) -> None:
         t = self.t
@@ -266,17 +288,20 @@ class Trainer:
             self._load(resume_from)
         if self.ctx.is_main:
             self._open_outputs(resumed=resume_from is not None)
-        with self.stop:
-            try:
-                self._loop()
-            finally:
-                if self.bar is not None:
-                    self.bar.close()
-                self.beat.close()
-        if self.status == "running":
-            self.status = "completed"
-        if self.t.test and self.status in ("completed", "early_stopped"):
-            self._test()
+        with debug_modes(self.t):
+            with self.stop:
+                try:
+                    self._loop()
+                finally:
+                    if self.bar is not None:
+                        self.bar.close()
+                    if self.profiler is not None:
+                        self.profiler.close()
+                    self.beat.close()
+            if self.status == "running":
+                self.status = "completed"
+            if self.t.test and self.status in ("completed", "early_stopped"):
+                self._test()
         result = self._result()
         if self.ctx.is_main:
             write_metrics(self.run_dir, result)
@@ -329,7 +354,9 @@ class Trainer:
             self.bar.update(self.batch)
             self.bar.set_description(f"epoch {self.epoch}")
         group_end = 0
-        for i, batch in enumerate(self._fetching(self.train_loader), start=self.batch):
+        # trainer.limit_train_batches / overfit_batches end the epoch early.
+        batches = itertools.islice(self.train_loader, self.batches_per_epoch - self.batch)
+        for i, batch in enumerate(self._fetching(batches), start=self.batch):
             if i >= group_end:  # the first micro-batch of an optimizer step
                 group_end = min(i + accumulate, self.batches_per_epoch)
                 group_samples = min(self.rank_train_samples - i * bs, (group_end - i) * bs)
@@ -352,6 +379,8 @@ class Trainer:
             log_now = (self.step + 1) % self.t.log_every_n_steps == 0
             self._optimizer_step(log_now)
             self.step += 1
+            if self.profiler is not None:
+                self.profiler.step()
             if self._first_step_pending:
                 self._log_first_step()
             if log_now:
@@ -444,6 +473,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
+        if self.ema is not None:
+            self.ema.update()
 
     def _log_first_step(self) -> None:
         """Record start-up cost once per session: ``time/first_step_s`` is the seconds from
@@ -531,8 +562,14 @@ class Trainer:
             f"(epoch {d.get('epoch')}), so the run was stopped; {saved}. Try {fixes}"
         )
 
-    @torch.no_grad()
     def evaluate(self, loader: Any, prefix: str = "val") -> dict[str, float]:
+        """The task's validation metrics over ``loader`` as ``prefix/<name>`` (see
+        :meth:`_evaluate`), of the averaged weights when ``trainer.ema_decay`` is set."""
+        with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
+            return self._evaluate(loader, prefix)
+
+    @torch.no_grad()
+    def _evaluate(self, loader: Any, prefix: str = "val") -> dict[str, float]:
         """The task's validation metrics over the whole dataset behind ``loader`` (this rank's
         shard of it, from :meth:`eval_loader`), each sample counted once across ranks, as
         ``prefix/<name>``. The unwrapped model is used, so no collective runs per batch."""
@@ -600,7 +637,9 @@ class Trainer:
                 dist.broadcast(tensor, src=0)
         if int(epoch) < 0:
             return None
-        values = self.evaluate(self.eval_loader(dataset), split)
+        # The weights just loaded are the ones to evaluate (with EMA, the averaged ones of
+        # that checkpoint), not the run's current average.
+        values = self._evaluate(self.eval_loader(dataset), split)
         return {"metrics": values, "epoch": int(epoch), "samples": len(dataset)}
 
     def _sync_buffers(self) -> None:
@@ -614,6 +653,7 @@ class Trainer:
         """Record a validation, update best/early stopping, checkpoint. ``complete`` is False
         when max_steps ended the epoch part-way: the checkpoint then resumes mid-epoch."""
         self.metrics = val
+        validated = self.epoch
         self.history.append({"epoch": self.epoch, "step": self.step, **val})
         improved = self._update_best(val)
         if self.ctx.is_main:
@@ -636,7 +676,7 @@ class Trainer:
             self.status = "early_stopped"
             if self.ctx.is_main:
                 log.info("early stop: %s did not improve for %d epochs", self.monitor, patience)
-        self._save(best=improved)
+        self._save(best=improved, ranked=(val[self.monitor], validated))
         if self.ctx.is_main:
             write_metrics(self.run_dir, self._result())
 
@@ -680,7 +720,12 @@ class Trainer:
         rank's random state); global rank 0 gets the dict, the others ``None``. Schema::
 
             format       int, CHECKPOINT_FORMAT
-            model        the unwrapped model's state_dict (no "module." prefixes)
+            model        the unwrapped model's state_dict (no "module." prefixes); with
+                         trainer.ema_decay, the averaged weights (what was validated)
+            raw_model    with trainer.ema_decay only: the trained (not averaged) weights
+            ema          with trainer.ema_decay only: {"decay", "updates"}
+            top_k        with trainer.save_top_k only: the ranking, {"metric", "mode",
+                         "kept": [{"name", "value", "epoch"}, ...]} best first
             optimizer    optimizer.state_dict()
             scheduler    scheduler.state_dict() or None
             scaler       GradScaler.state_dict() or None
@@ -712,7 +757,12 @@ class Trainer:
             return None
         return {
             "format": CHECKPOINT_FORMAT,
-            "model": self.module.state_dict(),
+            "model": self.module.state_dict() if self.ema is None else self.ema.averaged(),
+            **({} if self.ema is None else {
+                "raw_model": self.module.state_dict(),
+                "ema": {"decay": self.ema.decay, "updates": self.ema.updates},
+            }),
+            **({} if self.top_k is None else {"top_k": self.top_k.state_dict()}),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
@@ -732,7 +782,9 @@ class Trainer:
         """Restore what :meth:`state_dict` saved. Random states and unlogged training sums
         are restored only when the world size is the same (else the run is not bit-exact,
         and a warning says so)."""
-        self.module.load_state_dict(state["model"])
+        self._load_weights(state)
+        if self.top_k is not None:
+            self.top_k.load_state_dict(state.get("top_k"))
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(_schedule_progress(state["scheduler"]))
@@ -758,15 +810,37 @@ class Trainer:
                 state["world_size"], self.ctx.world_size,
             )
 
-    def _save(self, best: bool) -> None:
-        """Every rank contributes its state; global rank 0 writes last.pt (and best.pt).
-        Non-finite weights are never written: every rank holds the same weights, so every
-        rank reaches the same verdict without a collective, and the run stops as diverged."""
+    def _load_weights(self, state: dict) -> None:
+        """The model's weights and, with trainer.ema_decay, the average. A checkpoint without
+        an average (written without EMA) starts the average at its weights."""
+        averaged = "raw_model" in state
+        self.module.load_state_dict(state["raw_model" if averaged else "model"])
+        if self.ema is None:
+            if averaged and self.ctx.is_main:
+                log.warning("the checkpoint holds an average of the weights (trainer.ema_decay="
+                            "%s), this run has none: it continues the trained weights",
+                            state["ema"]["decay"])
+            return
+        if averaged:
+            self.ema.load_state_dict({"averaged": state["model"], "updates": state["ema"]["updates"]})
+        else:
+            self.ema = EMA(self.module, self.ema.decay)
+
+    def _save(self, best: bool, ranked: Optional[tuple[float, int]] = None) -> None:
+        """Every rank contributes its state; global rank 0 writes last.pt (and best.pt, and
+        with trainer.save_top_k the file of a validation ``ranked`` = (value, epoch) that
+        makes the top k). Files that fell out of the top k are deleted only once the new
+        checkpoint is on disk. Non-finite weights are never written: every rank holds the same
+        weights, so every rank reaches the same verdict without a collective, and the run
+        stops as diverged."""
         self.beat.mark(CHECKPOINT, self.step)
         if not all(bool(torch.isfinite(p).all()) for p in self.module.parameters()):
             if self.diverged is None:
                 self.diverged = {"step": self.step, "epoch": self.epoch, "loss": None}
             return
+        entry, dropped = None, []
+        if self.top_k is not None and ranked is not None:
+            entry, dropped = self.top_k.offer(*ranked)  # before state_dict(), which holds it
         state = self.state_dict()
         self._last_saved_step = self.step
         if state is None:
@@ -775,6 +849,10 @@ class Trainer:
         ckpt_io.save_atomic(state, last)
         if best:
             ckpt_io.link_atomic(last, self.ckpt_dir / ckpt_io.BEST)
+        if entry is not None:
+            ckpt_io.link_atomic(last, self.ckpt_dir / entry)
+        for name in dropped:
+            (self.ckpt_dir / name).unlink(missing_ok=True)
 
     def _load(self, path: Path) -> None:
         state = ckpt_io.load(path, map_location=self.device)
@@ -804,6 +882,15 @@ class Trainer:
         if removed:
             log.info("removed %d stale checkpoint temporaries", len(removed))
         self.tb = TBLogger(self.run_dir / "tb", purge_step=self.step + 1 if resumed else None)
+        if self.top_k is not None and resumed:
+            strays = self.top_k.reconcile(self.ckpt_dir)
+            if strays:
+                log.warning("trainer.save_top_k: %s in %s are not in the resumed ranking and are "
+                            "left alone", ", ".join(strays), self.ckpt_dir)
+        if self.t.profile_steps is not None:
+            from ddpexp.profiling import StepProfiler
+
+            self.profiler = StepProfiler(self.t.profile_steps, self.run_dir, self.device.type)
         if not resumed:
             self.tb.config(self.config)
             self.tb.hparams_start(self.hparams)
@@ -888,6 +975,34 @@ def _metric_names(out: Any, task: str, method: str) -> list[str]:
             "each entry must be the mean over the batch's samples (a scalar tensor)"
         )
     return list(out)
+
+
+class FirstBatches:
+    """The first ``limit`` batches of each pass over ``loader`` (trainer.limit_val_batches)."""
+
+    def __init__(self, loader: Any, limit: int):
+        self.loader, self.limit = loader, limit
+
+    def __iter__(self):
+        return itertools.islice(iter(self.loader), self.limit)
+
+    def __len__(self) -> int:
+        return min(self.limit, len(self.loader))
+
+
+@contextlib.contextmanager
+def debug_modes(t: TrainerConfig):
+    """trainer.detect_anomaly and trainer.deterministic for the length of a run; torch's
+    previous settings come back afterwards (a run in a process of its caller's must not
+    leave them on)."""
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    if t.deterministic:
+        torch.use_deterministic_algorithms(True)
+    try:
+        with torch.autograd.set_detect_anomaly(True) if t.detect_anomaly else contextlib.nullcontext():
+            yield
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
 
 
 def _schedule_progress(state: dict) -> dict:
