@@ -21,12 +21,23 @@ register_configs()
 
 CONF = Path(__file__).parents[1] / "src" / "ddpexp" / "conf"
 GROUPS = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml")) for g in
-          ("model", "data", "optimizer", "scheduler", "trainer")}
+          ("task", "model", "data", "optimizer", "scheduler", "trainer")}
+README = Path(__file__).parents[1] / "README.md"
+# Options that only make sense together: built as one trainer, which runs the task's
+# validation step on real samples before anything trains.
+LM = ["task=lm", "model=gpt", "data=text", f"data.path={README}"]
+COMPANIONS = {
+    ("task", "lm"): LM, ("model", "gpt"): LM, ("data", "text"): LM,
+    ("task", "regression"): ["task=regression", "data=diabetes", "model=mlp"],
+    ("data", "diabetes"): ["task=regression", "data=diabetes", "model=mlp"],
+}
 
 
 def test_groups_have_the_contract_options():
-    assert {"convnet", "mlp", "resnet18"} <= set(GROUPS["model"])
-    assert {"digits", "synthetic", "mnist", "fashion_mnist", "cifar10", "imagefolder"} <= set(GROUPS["data"])
+    assert {"classification", "regression", "lm"} <= set(GROUPS["task"])
+    assert {"convnet", "mlp", "resnet18", "gpt"} <= set(GROUPS["model"])
+    assert {"digits", "synthetic", "mnist", "fashion_mnist", "cifar10", "imagefolder", "diabetes",
+            "text"} <= set(GROUPS["data"])
     assert {"sgd", "adam", "adamw"} <= set(GROUPS["optimizer"])
     assert {"none", "cosine", "step", "onecycle"} <= set(GROUPS["scheduler"])
 
@@ -45,7 +56,13 @@ def _compose(*overrides: str):
 
 
 @pytest.mark.parametrize("group, option", [(g, o) for g, opts in GROUPS.items() for o in opts])
-def test_every_option_composes_and_builds(group, option):
+def test_every_option_composes_and_builds(group, option, tmp_path):
+    if (group, option) in COMPANIONS:
+        from helpers import build_trainer
+
+        trainer = build_trainer(tmp_path, COMPANIONS[group, option])
+        assert trainer.val_names[0] == "loss"
+        return
     extra = ["data.root=/data/images"] if option == "imagefolder" else []
     cfg = _compose(f"{group}={option}", *extra)
     assert cfg.hydra.launcher._target_.endswith("DdpLauncher")
@@ -83,7 +100,7 @@ def test_model_reads_shapes_by_interpolation():
     ("trainer.precision=16", "needs a GPU; on the CPU use trainer.precision=bf16"),
     ("trainer.procs=0", "trainer.procs=0 must be >= 1"),
     ("trainer.nodes=2", "needs trainer.rdzv_endpoint=HOST:PORT"),
-    ("trainer.monitor=val/f1", "is not one of val/acc, val/loss"),
+    ("trainer.monitor=val/f1", "trainer.monitor=val/f1 is not a metric of the task (Classification); it returns val/loss, val/acc"),
     ("model=nonexistent", "Could not find 'model/nonexistent'"),
     ("data=imagefolder", "these keys need a value: data.root"),
     ("data=mnist data.root=NODATA", "Put train-images-idx3-ubyte"),

@@ -333,7 +333,7 @@ def test_config_reference_lists_every_key():
     doc = (CONF.parents[2] / "docs" / "config.md").read_text()
     for f in dataclasses.fields(TrainerConfig):
         assert f"`trainer.{f.name}`" in doc, f.name
-    for group in ("model", "data", "optimizer", "scheduler"):
+    for group in ("task", "model", "data", "optimizer", "scheduler"):
         for path in sorted((CONF / group).glob("*.yaml")):
             assert f"`{path.stem}`" in doc, f"{group}={path.stem}"
             node = yaml.safe_load(path.read_text()) or {}

@@ -1,3 +1,23 @@
-"""ddpexp: Hydra-configured PyTorch experiments whose runs and sweep jobs are DDP runs."""
+"""ddpexp: Hydra-configured PyTorch experiments where every run and sweep job is a DDP run.
+
+``ddpexp.Task`` (the task contract) and ``ddpexp.DataSource`` (a user's own data) are what a
+user's code subclasses; they, and the submodules, are imported on first use so that
+``import ddpexp`` stays cheap.
+"""
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
+
+_LAZY = {"Task": ("ddpexp.task", "Task"), "DataSource": ("ddpexp.data", "DataSource")}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    try:
+        return importlib.import_module(f"ddpexp.{name}")
+    except ModuleNotFoundError:
+        raise AttributeError(f"module 'ddpexp' has no attribute {name!r}") from None

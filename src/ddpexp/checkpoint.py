@@ -1,25 +1,9 @@
-"""Checkpoints: what they hold, how they are written (atomically, by global rank 0 only) and
-how they are read (``weights_only=True``, always).
+"""Checkpoint files: written atomically (by global rank 0 only), read safely
+(``weights_only=True``, always), found for ``resume=``.
 
-A checkpoint is a plain dict, built in one place (:func:`build`) so its schema is documented
-once::
-
-    format       int, CHECKPOINT_FORMAT
-    model        the unwrapped model's state_dict (no "module." prefixes)
-    optimizer    optimizer.state_dict()
-    scheduler    scheduler.state_dict() or None
-    scaler       GradScaler.state_dict() or None
-    epoch        the epoch in progress (0-based) when saved
-    batch        batches of that epoch already done (0 = at the epoch's start)
-    step         optimizer steps done in all
-    best         {"metric": name, "value": best value or None, "epoch": int or None}
-    metrics      the latest validation metrics, e.g. {"val/loss": .., "val/acc": ..}
-    history      [{epoch, step, val/loss, val/acc}, ...] of every validation so far
-    early_stop   validations without improvement so far
-    ranks        one entry per rank: {"rng": {"torch", "cuda", "numpy", "python"} generator
-                 states, "train_accum": [loss sum, correct, samples] not yet logged}
-    world_size   the world size that wrote it (``ranks`` has one entry per rank)
-    config       the resolved config of the run, plain Python
+This module only reads and writes files; what a checkpoint holds is the trainer's
+``state_dict()`` (its docstring documents the schema), which holds the unwrapped model's
+weights under ``"model"``.
 """
 
 from __future__ import annotations
@@ -27,52 +11,15 @@ from __future__ import annotations
 import errno
 import os
 import pickle
-import random
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
 from ddpexp.errors import CheckpointError
 
-CHECKPOINT_FORMAT = 1
 LAST, BEST = "last.pt", "best.pt"
 _TMP_MARK = ".tmp-"
-
-
-def build(**fields: Any) -> dict:
-    """Assemble a checkpoint dict; every key of the module docstring must be given."""
-    expected = {
-        "model", "optimizer", "scheduler", "scaler", "epoch", "batch", "step", "best",
-        "metrics", "history", "early_stop", "ranks", "world_size", "config",
-    }
-    missing, extra = expected - fields.keys(), fields.keys() - expected
-    if missing or extra:
-        raise TypeError(f"checkpoint fields: missing {sorted(missing)}, unknown {sorted(extra)}")
-    return {"format": CHECKPOINT_FORMAT, **fields}
-
-
-def rng_state() -> dict:
-    """This process's generator states, as tensors and ints only (``weights_only``-safe)."""
-    np_state = np.random.get_state()
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
-        "python": random.getstate(),
-    }
-
-
-def set_rng_state(state: dict) -> None:
-    """Restore what :func:`rng_state` captured."""
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    name, keys, *rest = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
 
 
 def save_atomic(obj: dict, path: Path) -> None:

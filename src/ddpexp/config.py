@@ -41,30 +41,48 @@ PRECISIONS = ("32", "bf16", "16")
 
 @dataclass
 class TrainerConfig:
-    """Everything the trainer and the fan-out read. See the README for each key."""
+    """Everything the trainer and the fan-out read; docs/config.md explains each key."""
 
+    # GPUs per node, one worker each (NCCL); 0 = CPU.
     gpus: int = 0
+    # Workers per node; None = gpus if gpus > 0, else 1 (on the CPU, procs > 1 is gloo DDP).
     procs: Optional[int] = None
+    # Nodes (torch elastic c10d rendezvous at rdzv_endpoint).
     nodes: int = 1
+    # host:port of the rendezvous when nodes > 1.
     rdzv_endpoint: Optional[str] = None
     rdzv_timeout_s: int = 300
     strategy: Strategy = Strategy.auto
+    # Kept small so that the default run is short.
     max_epochs: int = 10
+    # Stop after this many optimizer steps in all (None = no limit).
     max_steps: Optional[int] = None
+    # 32 | bf16 | 16 (fp16 with a gradient scaler, GPUs only).
     precision: str = "32"
+    # Micro-batches per optimizer step (no_sync under DDP).
     accumulate: int = 1
+    # Max total gradient norm; None = off.
     grad_clip: Optional[float] = None
+    # Whole-group restarts after a worker dies, each resuming from last.pt.
     max_restarts: int = 0
+    # Collective timeout: a stuck rank fails the run instead of hanging it.
     dist_timeout_s: float = 300.0
     log_every_n_steps: int = 20
+    # Also write last.pt every N optimizer steps mid-epoch.
     ckpt_every_steps: Optional[int] = None
-    monitor: str = "val/acc"
-    monitor_mode: MonitorMode = MonitorMode.max
+    # Any val/<name> the task returns; None = the task's own default (its class attributes).
+    monitor: Optional[str] = None
+    # max | min; None = the task's own default.
+    monitor_mode: Optional[MonitorMode] = None
+    # Validations without a strict improvement before stopping; None = never.
     early_stop_patience: Optional[int] = None
     sync_batchnorm: bool = False
+    # torch.compile the training forward.
     compile: bool = False
     channels_last: bool = False
+    # None = on when stderr is a terminal.
     progress_bar: Optional[bool] = None
+    # Seconds workers get to checkpoint and exit after a stop signal before they are killed.
     shutdown_grace_s: int = 30
 
 
@@ -72,6 +90,7 @@ class TrainerConfig:
 class DdpexpConfig:
     """The root of the composed config; the groups fill the ``Any`` nodes."""
 
+    task: Any = MISSING
     model: Any = MISSING
     data: Any = MISSING
     optimizer: Any = MISSING
@@ -146,6 +165,13 @@ def hydra_subdir(output_dir: str) -> str:
     return f".hydra/resume-{n}"
 
 
+def trainer_config(node: Any) -> TrainerConfig:
+    """The ``trainer`` node (a DictConfig or the plain dict workers receive) as the typed
+    :class:`TrainerConfig`, enums and all."""
+    merged = OmegaConf.merge(OmegaConf.structured(TrainerConfig), node)
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
 def to_plain(cfg: DictConfig) -> dict:
     """The fully resolved config as plain Python (enums as strings): what workers receive
     and what checkpoints store."""
@@ -183,8 +209,11 @@ def validate(cfg: DictConfig) -> None:
             f"trainer.nodes={t.nodes} needs trainer.rdzv_endpoint=HOST:PORT, the same on every "
             "node (HOST is the first node's address)"
         )
-    if t.monitor not in ("val/acc", "val/loss"):
-        raise ConfigError(f"trainer.monitor={t.monitor!r} is not one of val/acc, val/loss")
+    if t.monitor is not None and not str(t.monitor).startswith("val/"):
+        raise ConfigError(
+            f"trainer.monitor={t.monitor!r}: the monitored metric is a validation metric, "
+            "val/<name> for a name the task returns (e.g. val/loss)"
+        )
     if str(t.precision) == "16" and t.gpus == 0:
         raise ConfigError(
             "trainer.precision=16 (fp16 with a gradient scaler) needs a GPU; "
@@ -196,7 +225,7 @@ def validate(cfg: DictConfig) -> None:
             "On the CPU leave it off (each rank then keeps its own BatchNorm statistics; "
             "validation and checkpoints use rank 0's)"
         )
-    for group in ("model", "data", "optimizer"):
+    for group in ("task", "model", "data", "optimizer"):
         node = cfg.get(group)
         if not isinstance(node, DictConfig) or "_target_" not in node:
             raise ConfigError(

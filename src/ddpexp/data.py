@@ -488,3 +488,115 @@ class _ImageLoader:
 
         with open(path, "rb") as f:
             return Image.open(f).convert(self.mode)
+
+
+def split_indices(n: int, val_fraction: float, test_fraction: float, seed: int,
+                  labels: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A deterministic split of ``range(n)`` into train, val and test indices (stratified by
+    ``labels`` when given); every index lands in exactly one part."""
+    from sklearn.model_selection import train_test_split
+
+    for name, frac in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
+        if not 0.0 <= frac < 1.0:
+            raise ConfigError(f"data.{name}={frac} must be in [0, 1)")
+    if val_fraction <= 0 or val_fraction + test_fraction >= 1.0:
+        raise ConfigError(
+            f"data.val_fraction={val_fraction} and data.test_fraction={test_fraction}: "
+            "validation needs a share above 0, and both together must leave data to train on"
+        )
+    rest, test = np.arange(n), np.arange(0)
+    if test_fraction > 0:
+        rest, test = train_test_split(rest, test_size=test_fraction, random_state=seed,
+                                      stratify=None if labels is None else labels)
+    sub = None if labels is None else labels[rest]
+    train, val = train_test_split(rest, test_size=val_fraction / (1.0 - test_fraction),
+                                  random_state=seed, stratify=sub)
+    return np.sort(train), np.sort(val), np.sort(test)
+
+
+class Diabetes(DataSource):
+    """scikit-learn's diabetes data (442 patients x 10 features, a disease-progression target),
+    features and target standardised with the training split's statistics."""
+
+    def __init__(self, val_fraction: float = 0.1, test_fraction: float = 0.1, split_seed: int = 0,
+                 **kwargs: Any):
+        super().__init__(**kwargs)
+        self.val_fraction, self.test_fraction = val_fraction, test_fraction
+        self.split_seed = split_seed
+
+    def load(self) -> tuple[InMemory, InMemory, InMemory]:
+        from sklearn.datasets import load_diabetes
+
+        raw = load_diabetes()
+        x = torch.tensor(raw.data, dtype=torch.float32)
+        y = torch.tensor(raw.target, dtype=torch.float32)
+        parts = split_indices(len(y), self.val_fraction, self.test_fraction, self.split_seed)
+        tr = torch.as_tensor(parts[0])
+        x = (x - x[tr].mean(0)) / x[tr].std(0)
+        y = (y - y[tr].mean()) / y[tr].std()
+        return tuple(InMemory(x[i], y[i]) for i in map(torch.as_tensor, parts))  # type: ignore[return-value]
+
+
+class Text(DataSource):
+    """A UTF-8 text file for next-token prediction, read as characters (``encoding=char``,
+    the vocabulary is the file's characters) or bytes (``encoding=bytes``, 256 symbols).
+
+    The token stream is cut into three contiguous parts (train, then val, then test), so no
+    window crosses from one part into another. Samples are ``block_size`` windows of
+    ``(tokens, next tokens)``: every ``train_stride`` positions in train, non-overlapping in
+    val and test. Windows are views of the one token tensor, never copies."""
+
+    def __init__(self, path: str, block_size: int = 64, encoding: str = "char",
+                 train_stride: int = 1, val_fraction: float = 0.1, test_fraction: float = 0.1,
+                 **kwargs: Any):
+        super().__init__(**kwargs)
+        if encoding not in ("char", "bytes"):
+            raise ConfigError(f"data.encoding={encoding!r} is not one of char, bytes")
+        if block_size < 1 or train_stride < 1:
+            raise ConfigError("data.block_size and data.train_stride must be >= 1")
+        if not 0.0 < val_fraction < 1.0 or not 0.0 <= test_fraction < 1.0 \
+                or val_fraction + test_fraction >= 1.0:
+            raise ConfigError(
+                f"data.val_fraction={val_fraction}, data.test_fraction={test_fraction}: each in "
+                "[0, 1), validation above 0, both together below 1"
+            )
+        self.path = Path(str(path)).expanduser().absolute()
+        self.block_size, self.encoding, self.train_stride = block_size, encoding, train_stride
+        self.val_fraction, self.test_fraction = val_fraction, test_fraction
+
+    def _tokens(self) -> torch.Tensor:
+        try:
+            raw = self.path.read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"data=text: cannot read data.path={self.path} ({exc.strerror}). "
+                              "Point data.path at a UTF-8 text file") from None
+        if self.encoding == "bytes":
+            self.num_classes = 256
+            return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"data=text: {self.path} is not UTF-8 ({exc.reason} at byte "
+                              f"{exc.start}); use data.encoding=bytes") from None
+        self.vocab = sorted(set(text))
+        self.num_classes = len(self.vocab)
+        lookup = {ch: i for i, ch in enumerate(self.vocab)}
+        return torch.tensor([lookup[ch] for ch in text], dtype=torch.long)
+
+    def load(self) -> tuple[InMemory, ...]:
+        tokens = self._tokens()
+        n, t = len(tokens), self.block_size
+        n_test = int(n * self.test_fraction)
+        n_val = int(n * self.val_fraction)
+        bounds = [0, n - n_val - n_test, n - n_test, n]
+        strides = [self.train_stride, t, t]
+        parts = []
+        for (lo, hi), stride, name in zip(zip(bounds, bounds[1:]), strides, ("train", "val", "test")):
+            if hi - lo < t + 1 and not (name == "test" and hi == lo):
+                raise ConfigError(
+                    f"data=text: the {name} part of {self.path} has {hi - lo} tokens, fewer than "
+                    f"data.block_size+1={t + 1}; use a longer file or a smaller data.block_size"
+                )
+            windows = tokens[lo:hi].unfold(0, t + 1, stride) if hi - lo > t else tokens.new_zeros((0, t + 1))
+            parts.append(InMemory(windows[:, :-1], windows[:, 1:]))
+        return tuple(parts) if n_test else tuple(parts[:2])

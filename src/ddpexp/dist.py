@@ -139,3 +139,25 @@ def slurm_master_env() -> dict[str, str]:
     if "MASTER_PORT" not in env:
         out["MASTER_PORT"] = str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
     return out
+
+
+def rng_state() -> dict:
+    """This process's generator states, as tensors and ints only (``weights_only``-safe)."""
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+        "python": random.getstate(),
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` captured."""
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))

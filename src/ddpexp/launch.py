@@ -115,6 +115,7 @@ def run(cfg: DictConfig) -> Optional[float]:
     except OmegaConfBaseException as exc:
         raise ConfigError(f"the config does not resolve: {exc}") from None
     plain["trainer"].update(strategy=plan.strategy, procs=plan.procs)
+    _resolve_monitor(plain)
     resume = checkpoint.find(cfg.resume, run_dir)
     if resume is None and cfg.resume is None and under_submitit():
         # A submitit job requeued after SLURM's pre-timeout signal runs again in its own job
@@ -161,6 +162,29 @@ def run(cfg: DictConfig) -> Optional[float]:
     return best
 
 
+def _resolve_monitor(plain: dict) -> None:
+    """Fill ``trainer.monitor``/``monitor_mode`` left null with the task's defaults, so that
+    every reader (workers, metrics.json, the sweep summary, sweepers) sees the same names."""
+    from ddpexp.task import task_defaults
+
+    t = plain["trainer"]
+    if t.get("monitor") is None or t.get("monitor_mode") is None:
+        monitor, mode = task_defaults(plain["task"]["_target_"])
+        if t.get("monitor") is None:
+            t["monitor"] = monitor
+            if t.get("monitor_mode") is None:
+                t["monitor_mode"] = mode
+        elif t.get("monitor_mode") is None:
+            # A monitor of the user's own choice: loss-like names are minimised.
+            t["monitor_mode"] = mode if t["monitor"] == monitor else _guess_mode(t["monitor"])
+
+
+def _guess_mode(monitor: str) -> str:
+    name = monitor.rsplit("/", 1)[-1].lower()
+    return "max" if any(k in name for k in ("acc", "f1", "auc", "precision", "recall", "score",
+                                            "iou", "dice", "r2", "bleu")) else "min"
+
+
 def under_submitit() -> bool:
     """Whether this process is a submitit job (Hydra's submitit_local/submitit_slurm)."""
     return any(key.startswith("SUBMITIT_") for key in os.environ)
@@ -174,7 +198,7 @@ class Preemption:
     def __init__(self) -> None:
         import signal
 
-        from ddpexp.trainer import stop_signals
+        from ddpexp.signals import stop_signals
 
         self.handlers = {sig.name: signal.getsignal(sig) for sig in stop_signals()
                          if sig not in (signal.SIGTERM, signal.SIGINT)}
@@ -243,7 +267,7 @@ def _elastic(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
     import signal
 
     from ddpexp.dist import free_port
-    from ddpexp.trainer import stop_signals
+    from ddpexp.signals import stop_signals
     from ddpexp.worker import EXIT_INTERRUPTED, run_worker
 
     t = cfg.trainer

@@ -94,3 +94,77 @@ def resnet18(input_shape: Sequence[int], num_classes: int) -> nn.Module:
     elif channels != 3:
         model.conv1 = nn.Conv2d(channels, 64, 7, stride=2, padding=3, bias=False)
     return model
+
+
+class _Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention, then a 4x GELU MLP."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float):
+        super().__init__()
+        self.n_head, self.dropout = n_head, dropout
+        self.ln1, self.ln2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+        self.mlp = nn.Sequential(
+            nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd), nn.Dropout(dropout)
+        )
+        self.resid_drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        att = nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        x = x + self.resid_drop(self.proj(att.transpose(1, 2).reshape(b, t, c)))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A small decoder-only transformer: token and learned position embeddings, ``n_layer``
+    causal self-attention blocks, a final LayerNorm and an output layer that shares the token
+    embedding's weights. ``forward(tokens)`` returns logits (batch, time, vocab_size)."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        block_size: int = 64,
+        n_layer: int = 2,
+        n_head: int = 4,
+        n_embd: int = 128,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        if n_embd % n_head:
+            raise ValueError(f"n_embd={n_embd} must be a multiple of n_head={n_head}")
+        self.block_size = block_size
+        self.tok = nn.Embedding(vocab_size, n_embd)
+        self.pos = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(_Block(n_embd, n_head, dropout) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.head.weight = self.tok.weight  # weight tying
+        self.apply(self._init)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+                # Residual projections scaled down with depth, as GPT-2 does.
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * n_layer))
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, 0.0, 0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > self.block_size:
+            raise ValueError(f"sequence of {t} tokens is longer than block_size={self.block_size}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.tok(idx) + self.pos(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))

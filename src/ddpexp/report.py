@@ -49,11 +49,15 @@ class Row:
     wall_time_s: Optional[float] = None
     error: Optional[str] = None
     dir: Optional[str] = None
+    # The final validation metrics, whatever the task names them ({"val/mse": .., ...}).
+    metrics: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        """Plain values, overrides joined by spaces (what csv and json hold)."""
+        """Plain values, overrides joined by spaces, one key per final metric (what csv and
+        json hold)."""
         out = asdict(self)
         out["overrides"] = " ".join(self.overrides)
+        out.update(out.pop("metrics"))
         return out
 
 
@@ -80,6 +84,8 @@ def read_run(run_dir: Path, job: Optional[str] = None) -> Row:
     row.steps = data.get("steps")
     row.wall_time_s = _number(data.get("wall_time_s"))
     row.error = data.get("error")
+    final = data.get("final") or {}
+    row.metrics = {k: v for k, v in final.items() if _number(v) is not None} if isinstance(final, dict) else {}
     return row
 
 
@@ -124,14 +130,15 @@ def format_rows(rows: Sequence[Row], fmt: str = "text") -> str:
         return json.dumps([r.as_dict() for r in rows], indent=2) + "\n"
     if fmt == "csv":
         buf = io.StringIO()
-        names = [f.name for f in fields(Row)]
+        names = [f.name for f in fields(Row) if f.name != "metrics"] + _metric_columns(rows, None)
         writer = csv.DictWriter(buf, fieldnames=names, lineterminator="\n")
         writer.writeheader()
         writer.writerows(r.as_dict() for r in rows)
         return buf.getvalue()
-    titles = _titles(rows)
+    columns = _columns(rows)
+    titles = _titles(rows, columns)
     varying = _varying_overrides(rows)
-    cells = [[_cell(r, c, varying) for c in COLUMNS] for r in rows]
+    cells = [[_cell(r, c, varying) for c in columns] for r in rows]
     if fmt == "md":
         lines = ["| " + " | ".join(titles) + " |", "|" + "|".join("---" for _ in titles) + "|"]
         lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in cells]
@@ -158,7 +165,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("dir", type=Path, help="a sweep dir, a run dir or outputs/")
     parser.add_argument("--format", "-f", choices=FORMATS, default="text")
     parser.add_argument("--plot", type=Path, metavar="FILE.png",
-                        help="also draw the runs' validation curves (val/acc, val/loss), one line per run")
+                        help="also draw the runs' validation curves (the monitored metric and val/loss), one line per run")
     args = parser.parse_args(argv)
     if not args.dir.is_dir():
         parser.error(f"{args.dir} is not a directory")
@@ -172,7 +179,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         varying = _varying_overrides(rows)
         runs = [(_label(r, varying), Path(r.dir)) for r in rows if r.dir]
-        drawn = plot_curves(runs, args.plot)
+        monitor = _monitor(rows) or "val/loss"
+        tags = [monitor] + (["val/loss"] if monitor != "val/loss" else [])
+        drawn = plot_curves(runs, args.plot, tags)
         print(f"wrote {args.plot}: {drawn} runs, one curve each", file=sys.stderr)
     return 0
 
@@ -210,11 +219,27 @@ def _natural_key(path: Path) -> tuple:
     return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.parts)
 
 
-def _titles(rows: Sequence[Row]) -> list[str]:
+def _monitor(rows: Sequence[Row]) -> Optional[str]:
     monitors = {r.monitor for r in rows if r.monitor}
-    metric = monitors.pop() if len(monitors) == 1 else "metric"
+    return monitors.pop() if len(monitors) == 1 else None
+
+
+def _metric_columns(rows: Sequence[Row], skip: Optional[str]) -> list[str]:
+    """Every final metric name of the rows (the task's names), except ``skip``."""
+    names = {k for r in rows for k in r.metrics if k != skip}
+    return sorted(names)
+
+
+def _columns(rows: Sequence[Row]) -> list[str]:
+    """COLUMNS, with the task's other final metrics after the monitored one's best."""
+    at = COLUMNS.index("best") + 1
+    return [*COLUMNS[:at], *_metric_columns(rows, _monitor(rows)), *COLUMNS[at:]]
+
+
+def _titles(rows: Sequence[Row], columns: Sequence[str]) -> list[str]:
+    metric = _monitor(rows) or "metric"
     names = {"final": f"final {metric}", "best": f"best {metric}", "wall_time_s": "wall s"}
-    return [names.get(c, c) for c in COLUMNS]
+    return [names.get(c, c) for c in columns]
 
 
 def _varying_overrides(rows: Sequence[Row]) -> Optional[set]:
@@ -226,6 +251,9 @@ def _varying_overrides(rows: Sequence[Row]) -> Optional[set]:
 
 
 def _cell(row: Row, column: str, varying: Optional[set] = None) -> str:
+    if "/" in column:  # a final metric of the task
+        value = row.metrics.get(column)
+        return "" if value is None else f"{value:.4f}"
     value = getattr(row, column)
     if value is None:
         return ""

@@ -38,17 +38,17 @@ class TBLogger:
         text = yaml.safe_dump(dict(cfg), sort_keys=False)
         self.writer.add_text("config", "```yaml\n" + text + "```", 0)
 
-    def hparams_start(self, hparams: Mapping[str, Any], metric_tags: list[str]) -> None:
+    def hparams_start(self, hparams: Mapping[str, Any]) -> None:
         """Open this run's HParams session with the hyperparameters it was given.
 
         Only the session is written, no per-run experiment summary: TensorBoard then builds
         the HParams table from the sessions of all runs under its logdir (the union of their
-        hyperparameters) and reads each metric as the latest value of its scalar tag
-        (``metric_tags``, e.g. ``val/acc`` and ``best/val/acc``)."""
+        hyperparameters) and offers every scalar tag of the runs as a metric, read as its latest
+        value: whatever names the task logs (``val/acc``, ``val/mse``, ``best/val/...``)."""
         from torch.utils.tensorboard.summary import hparams as hp_summary
 
         clean = {k: _hparam_value(v) for k, v in hparams.items()}
-        _, ssi, _ = hp_summary(clean, {tag: 0.0 for tag in metric_tags})
+        _, ssi, _ = hp_summary(clean, {})
         self.writer.file_writer.add_summary(ssi)
 
     def hparams_end(self, status: str) -> None:

@@ -1,5 +1,9 @@
 """The training loop of one worker: train and validate each epoch, log, checkpoint, resume.
 
+The loop knows no task: a :class:`ddpexp.task.Task` computes each batch's metrics, and the
+trainer weights them by the batch's sample count, back-propagates ``loss``, and logs
+``train/<name>`` and ``val/<name>`` for whatever names the task returns.
+
 Every rank runs a :class:`Trainer`; only global rank 0 (``ctx.is_main``) writes TensorBoard,
 checkpoints and ``metrics.json``. The hot path keeps metrics on the device and talks to the
 other ranks only at log steps and epoch ends, so it costs what a hand-written DDP loop costs.
@@ -12,163 +16,166 @@ import json
 import logging
 import math
 import os
-import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from hydra.utils import instantiate
 from torch import nn
+from torch.utils.data import Dataset, default_collate
 
 from ddpexp import checkpoint as ckpt_io
+from ddpexp.config import Strategy, TrainerConfig, trainer_config
 from ddpexp.data import DataSource, ResumableDistributedSampler
-from ddpexp.dist import DistContext, derive_seed, seed_everything
+from ddpexp.dist import DistContext, derive_seed, rng_state, seed_everything, set_rng_state
 from ddpexp.errors import ConfigError
+from ddpexp.signals import StopRequested
+from ddpexp.task import Task
 
 log = logging.getLogger("ddpexp")
 
 METRICS_FILE = "metrics.json"
-
-
-def stop_signals() -> tuple[signal.Signals, ...]:
-    """The signals that stop a run with a checkpoint: SIGTERM and SIGINT, plus the
-    pre-timeout signal of a SLURM job (submitit's ``SUBMITIT_PREEMPT_SIGNAL``, SIGUSR2 by
-    default), which only a SLURM or submitit job is sent."""
-    sigs = [signal.SIGTERM, signal.SIGINT]
-    if any(k.startswith("SUBMITIT_") for k in os.environ) or "SLURM_JOB_ID" in os.environ:
-        name = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")
-        preempt = getattr(signal, name if name.startswith("SIG") else "SIG" + name, None)
-        if preempt is not None and preempt not in sigs:
-            sigs.append(preempt)
-    return tuple(sigs)
-
-
-class StopRequested:
-    """Turns the :func:`stop_signals` into a flag the loop checks at step boundaries.
-
-    In a process of its own (no elastic agent) a second signal raises ``KeyboardInterrupt``
-    at once, for a user who presses Ctrl-C twice. Under torch elastic a second one is
-    ignored: Ctrl-C reaches a worker both from the terminal and forwarded by the agent, and
-    the agent itself kills workers that overrun ``trainer.shutdown_grace_s``."""
-
-    def __init__(self) -> None:
-        self.signum: Optional[int] = None
-        self.escalate = "TORCHELASTIC_RUN_ID" not in os.environ
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> "StopRequested":
-        for sig in stop_signals():
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum is not None:
-            if self.escalate:
-                raise KeyboardInterrupt
-            return
-        self.signum = signum
-
-    def __bool__(self) -> bool:
-        return self.signum is not None
+CHECKPOINT_FORMAT = 2
+# Model keys that a data source may only know once it has read its files (the classes of an
+# image folder, the vocabulary of a text): left null by the config, filled in after load().
+_FROM_DATA = {"num_classes": "num_classes", "vocab_size": "num_classes"}
 
 
 class Trainer:
-    """Builds data, model, optimizer and scheduler from the resolved config, then ``fit()``."""
+    """Trains ``model`` on ``task`` with the data of ``data``; :meth:`from_config` builds all
+    of it from a resolved config, then :meth:`fit` runs."""
 
-    def __init__(self, cfg: dict, ctx: DistContext, run_dir: Path, hparams: Optional[dict] = None):
-        self.cfg, self.ctx, self.run_dir = cfg, ctx, Path(run_dir)
-        self.t = cfg["trainer"]
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        ctx: DistContext,
+        run_dir: Path,
+        *,
+        task: Task,
+        model: nn.Module,
+        data: DataSource,
+        datasets: Sequence[Dataset],
+        optimizer: Callable[..., torch.optim.Optimizer],
+        scheduler: Optional[Callable[..., Any]] = None,
+        seed: int = 0,
+        config: Optional[dict] = None,
+        hparams: Optional[dict] = None,
+    ):
+        self.t, self.ctx, self.run_dir = cfg, ctx, Path(run_dir)
+        self.task, self.data, self.seed = task, data, seed
+        self.config = config or {}
         self.hparams = hparams or {}
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.device = ctx.device
+        self.monitor = cfg.monitor or task.monitor
+        self.monitor_mode = cfg.monitor_mode.value if cfg.monitor_mode else task.monitor_mode
         self.stop = StopRequested()
         self.stopping = False  # the stop that all ranks agreed on
         self.tb = None
         self.bar = None
-        self._build_data()
-        self._build_model()
-        self._build_optimization()
+        self._build_loaders(datasets)
+        self._wrap_model(model)
+        self._build_optimization(optimizer, scheduler)
         self._init_state()
+        self.val_names = self._check_task()
+
+    @classmethod
+    def from_config(cls, config: dict, ctx: DistContext, run_dir: Path,
+                    hparams: Optional[dict] = None) -> "Trainer":
+        """Build task, data, model, optimizer and scheduler from a resolved config (plain
+        Python, as workers receive it) and return the trainer."""
+        from hydra.utils import instantiate
+
+        data: DataSource = instantiate(config["data"], _convert_="all")
+        datasets = data.load()
+        if not isinstance(datasets, (tuple, list)) or len(datasets) not in (2, 3):
+            raise ConfigError(
+                f"data._target_={config['data']['_target_']}: load() must return (train, val) "
+                "or (train, val, test) datasets"
+            )
+        if config["data"].get("num_classes") is None and getattr(data, "num_classes", None):
+            config["data"]["num_classes"] = data.num_classes
+        for key, attr in _FROM_DATA.items():
+            if key in config["model"] and config["model"][key] is None:
+                config["model"][key] = getattr(data, attr, None)
+        task = instantiate(config["task"], _convert_="all")
+        seed_everything(config["seed"])  # the same initial weights on every rank
+        model = instantiate(config["model"], _convert_="all")
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"model._target_ built a {type(model).__name__}, not a torch.nn.Module")
+        sched_cfg = config.get("scheduler")
+        return cls(
+            trainer_config(config["trainer"]), ctx, run_dir,
+            task=task, model=model, data=data, datasets=datasets,
+            optimizer=instantiate(config["optimizer"]),
+            scheduler=instantiate(sched_cfg) if sched_cfg and sched_cfg.get("_target_") else None,
+            seed=config["seed"], config=config, hparams=hparams,
+        )
 
     # ------------------------------------------------------------------ building
-    def _build_data(self) -> None:
-        self.data: DataSource = instantiate(self.cfg["data"], _convert_="all")
-        train_ds, val_ds = self.data.load()
-        if self.cfg["data"].get("num_classes") is None:
-            self.cfg["data"]["num_classes"] = self.data.num_classes
-        if self.cfg["model"].get("num_classes", 0) is None:
-            self.cfg["model"]["num_classes"] = self.data.num_classes
+    def _build_loaders(self, datasets: Sequence[Dataset]) -> None:
+        train_ds, self.val_ds = datasets[0], datasets[1]
+        self.test_ds = datasets[2] if len(datasets) > 2 else None
         self.train_sampler = ResumableDistributedSampler(
             train_ds, num_replicas=self.ctx.world_size, rank=self.ctx.rank,
-            shuffle=True, seed=self.cfg["seed"], drop_last=False,
+            shuffle=True, seed=self.seed, drop_last=False,
         )
-        on_gpu = self.device.type == "cuda"
-        rank_seed = derive_seed(self.cfg["seed"], self.ctx.rank)
+        self.rank_seed = derive_seed(self.seed, self.ctx.rank)
         self.train_loader = self.data.loader(
-            train_ds, self.train_sampler, seed=rank_seed, on_gpu=on_gpu, train=True
+            train_ds, self.train_sampler, seed=self.rank_seed,
+            on_gpu=self.device.type == "cuda", train=True,
         )
-        # Validation is sharded without padding, so every sample counts exactly once.
-        shard = range(self.ctx.rank, len(val_ds), self.ctx.world_size)
-        self.val_loader = self.data.loader(
-            val_ds, list(shard), seed=rank_seed, on_gpu=on_gpu, train=False
-        )
+        self.val_loader = self.eval_loader(self.val_ds)
         self.rank_train_samples = len(self.train_sampler)
         self.batches_per_epoch = len(self.train_loader)
 
-    def _build_model(self) -> None:
-        seed_everything(self.cfg["seed"])  # the same initial weights on every rank
-        model: nn.Module = instantiate(self.cfg["model"], _convert_="all")
-        if not isinstance(model, nn.Module):
-            raise ConfigError(f"model._target_ built a {type(model).__name__}, not a torch.nn.Module")
-        self.memory_format = torch.channels_last if self.t["channels_last"] else torch.preserve_format
+    def eval_loader(self, dataset: Dataset):
+        """This rank's shard of ``dataset``, without padding, so that every sample counts
+        exactly once whatever the world size."""
+        shard = range(self.ctx.rank, len(dataset), self.ctx.world_size)
+        return self.data.loader(dataset, list(shard), seed=self.rank_seed,
+                                on_gpu=self.device.type == "cuda", train=False)
+
+    def _wrap_model(self, model: nn.Module) -> None:
+        t = self.t
+        self.memory_format = torch.channels_last if t.channels_last else torch.preserve_format
         model.to(self.device, memory_format=self.memory_format)
-        strategy = self.t["strategy"]
-        if self.t["sync_batchnorm"]:
+        if t.sync_batchnorm:
             # torch's SyncBatchNorm has no CPU kernel (config.validate refuses CPU DDP with it);
             # one process has nothing to synchronise, so there it is ignored.
-            if strategy == "ddp" and self.device.type != "cpu":
+            if t.strategy is Strategy.ddp and self.device.type != "cpu":
                 model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
             elif self.ctx.is_main:
                 log.warning("trainer.sync_batchnorm ignored: one process (strategy=%s, %s) has "
-                            "no BatchNorm statistics to synchronise", strategy, self.device.type)
+                            "no BatchNorm statistics to synchronise", t.strategy.value, self.device.type)
         self.module = model
-        if strategy == "ddp":
+        if t.strategy is Strategy.ddp:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.model: nn.Module = DDP(model, device_ids=ids)
-        elif strategy == "dp" and torch.cuda.device_count() > 1:
+        elif t.strategy is Strategy.dp and torch.cuda.device_count() > 1:
             self.model = nn.DataParallel(model)
         else:
             self.model = model
-        self.forward = torch.compile(self.model) if self.t["compile"] else self.model
-        seed_everything(derive_seed(self.cfg["seed"], self.ctx.rank, 1))  # per-rank stream
+        self.forward = torch.compile(self.model) if t.compile else self.model
+        seed_everything(derive_seed(self.seed, self.ctx.rank, 1))  # per-rank stream
 
-    def _build_optimization(self) -> None:
-        self.accumulate = self.t["accumulate"]
-        opt_factory = instantiate(self.cfg["optimizer"])
-        self.optimizer = opt_factory(self.module.parameters())
-        steps_per_epoch = math.ceil(self.batches_per_epoch / self.accumulate)
-        self.steps_per_epoch = max(1, steps_per_epoch)
-        total = self.steps_per_epoch * self.t["max_epochs"]
-        if self.t["max_steps"] is not None:
-            total = min(total, self.t["max_steps"])
+    def _build_optimization(self, optimizer: Callable, scheduler: Optional[Callable]) -> None:
+        t = self.t
+        self.optimizer = optimizer(self.module.parameters())
+        self.steps_per_epoch = max(1, math.ceil(self.batches_per_epoch / t.accumulate))
+        total = self.steps_per_epoch * t.max_epochs
+        if t.max_steps is not None:
+            total = min(total, t.max_steps)
         self.total_steps = total
-        sched_cfg = self.cfg.get("scheduler")
         self.scheduler = None
-        if sched_cfg and sched_cfg.get("_target_"):
-            factory = instantiate(sched_cfg)
-            self.scheduler = factory(self.optimizer, total_steps=total,
-                                     steps_per_epoch=self.steps_per_epoch)
-        precision = str(self.t["precision"])
+        if scheduler is not None:
+            self.scheduler = scheduler(self.optimizer, total_steps=total,
+                                       steps_per_epoch=self.steps_per_epoch)
+        precision = str(t.precision)
         self.amp_dtype = {"bf16": torch.bfloat16, "16": torch.float16}.get(precision)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=precision == "16")
         self.params = [p for p in self.module.parameters() if p.requires_grad]
@@ -182,11 +189,33 @@ class Trainer:
         self.history: list[dict] = []
         self.status = "running"
         self.started = time.time()
-        zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        self._loss_sum, self._correct, self._seen = zero.clone(), zero.clone(), 0
+        # Per-name sums (weighted by samples) of the training metrics not yet logged.
+        self._train_names: Optional[list[str]] = None
+        self._train_sums: Optional[torch.Tensor] = None
+        self._seen = 0
         self._last_log_time = time.perf_counter()
         self._grad_norm: Optional[torch.Tensor] = None
         self._first_step_pending = True
+
+    def _check_task(self) -> list[str]:
+        """Run the task's validation step on two validation samples before training, so that
+        a task, model and data that do not fit together, or a ``trainer.monitor`` the task
+        does not return, fail in seconds with a message instead of after an epoch."""
+        if len(self.val_ds) == 0:
+            raise ConfigError("the validation split is empty; give the data a larger val share")
+        probe = self._to_device(default_collate([self.val_ds[i] for i in range(min(2, len(self.val_ds)))]))
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), self._autocast():
+            self.module.eval()
+            out = self.task.validation_step(self.module, probe)
+        names = _metric_names(out, type(self.task).__name__, "validation_step")
+        returned = [f"val/{n}" for n in names] + [f"val/{n}" for n in self.task.derived(
+            {n: float(out[n]) for n in names})]
+        if self.monitor not in returned:
+            raise ConfigError(
+                f"trainer.monitor={self.monitor} is not a metric of the task "
+                f"({type(self.task).__name__}); it returns {', '.join(returned)}"
+            )
+        return names
 
     # ------------------------------------------------------------------ the run
     def fit(self, resume_from: Optional[Path] = None) -> dict:
@@ -206,20 +235,20 @@ class Trainer:
             self.status = "completed"
         result = self._result()
         if self.ctx.is_main:
-            self._write_metrics(result)
+            write_metrics(self.run_dir, result)
             if self.tb is not None:
                 self.tb.hparams_end(self.status)
                 self.tb.close()
         return result
 
     def _loop(self) -> None:
-        while self.epoch < self.t["max_epochs"] and not self._steps_done():
+        while self.epoch < self.t.max_epochs and not self._steps_done():
             epoch_start = time.perf_counter()
             complete = self._train_epoch()
             if self.stopping:
                 self._interrupt()
                 return
-            val = self._evaluate()
+            val = self.evaluate(self.val_loader, "val")
             if self.stopping:  # a signal arrived during the last steps or the validation
                 self._end_epoch(val, time.perf_counter() - epoch_start, complete)
                 self._interrupt(saved=True)
@@ -229,7 +258,7 @@ class Trainer:
                 return
 
     def _steps_done(self) -> bool:
-        return self.t["max_steps"] is not None and self.step >= self.t["max_steps"]
+        return self.t.max_steps is not None and self.step >= self.t.max_steps
 
     def _train_epoch(self) -> bool:
         """One pass over this rank's shard from ``self.batch`` on; True if it reached the end.
@@ -237,28 +266,28 @@ class Trainer:
         A stop signal is acted on only where all ranks agree on it (``self.stopping``, set at
         log steps and validation), so no rank leaves a collective the others are in."""
         self.model.train()
-        bs = self.data.batch_size
+        bs, accumulate = self.data.batch_size, self.t.accumulate
         self.train_sampler.set_epoch(self.epoch, skip=self.batch * bs)
         generator = getattr(self.train_loader, "generator", None)
         if generator is not None:  # DataLoader workers' seeds: a function of (rank, epoch)
-            generator.manual_seed(derive_seed(self.cfg["seed"], self.ctx.rank, self.epoch, 2))
+            generator.manual_seed(derive_seed(self.seed, self.ctx.rank, self.epoch, 2))
         if self.bar is not None:
             self.bar.reset(total=self.batches_per_epoch)
             self.bar.update(self.batch)
             self.bar.set_description(f"epoch {self.epoch}")
         group_end = 0
-        for i, (x, y) in enumerate(self.train_loader, start=self.batch):
+        for i, batch in enumerate(self.train_loader, start=self.batch):
             if i >= group_end:  # the first micro-batch of an optimizer step
-                group_end = min(i + self.accumulate, self.batches_per_epoch)
+                group_end = min(i + accumulate, self.batches_per_epoch)
                 group_samples = min(self.rank_train_samples - i * bs, (group_end - i) * bs)
             last_micro = i + 1 == group_end
-            self._run_batch(x, y, last_micro, group_samples)
+            self._run_batch(batch, last_micro, group_samples)
             if self.bar is not None:
                 self.bar.update(1)
             if not last_micro:
                 continue
             self.batch = i + 1
-            log_now = (self.step + 1) % self.t["log_every_n_steps"] == 0
+            log_now = (self.step + 1) % self.t.log_every_n_steps == 0
             self._optimizer_step(log_now)
             self.step += 1
             if self._first_step_pending:
@@ -269,7 +298,7 @@ class Trainer:
                 self.stopping = True  # nobody to agree with: stop at this step
             if self.stopping or self._steps_done():
                 return self.batch >= self.batches_per_epoch
-            every = self.t["ckpt_every_steps"]
+            every = self.t.ckpt_every_steps
             if every and self.step % every == 0 and self.batch < self.batches_per_epoch:
                 self._save(best=False)
         self.batch = self.batches_per_epoch
@@ -280,30 +309,49 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
-    def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.device.type != "cpu":
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        if self.memory_format is torch.channels_last and x.dim() == 4:
-            x = x.contiguous(memory_format=torch.channels_last)
-        return x, y
+    def _to_device(self, batch: Any) -> Any:
+        """``batch`` (tensors in any nesting of tuples, lists and dicts) on this rank's device;
+        4-d float tensors in channels_last where asked."""
+        if isinstance(batch, torch.Tensor):
+            if self.device.type != "cpu":
+                batch = batch.to(self.device, non_blocking=True)
+            if self.memory_format is torch.channels_last and batch.dim() == 4 \
+                    and batch.is_floating_point():
+                batch = batch.contiguous(memory_format=torch.channels_last)
+            return batch
+        if isinstance(batch, Mapping):
+            return type(batch)((k, self._to_device(v)) for k, v in batch.items())
+        if isinstance(batch, (list, tuple)):
+            moved = [self._to_device(v) for v in batch]
+            return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+        return batch
 
-    def _run_batch(self, x: torch.Tensor, y: torch.Tensor, last_micro: bool, group_samples: int) -> None:
-        """Forward and backward of one micro-batch. The loss is the sum over the micro-batch
-        divided by the samples of the whole optimizer step, so that accumulating N batches of
-        B gives the gradient of one batch of N*B."""
-        x, y = self._to_device(x, y)
+    def _run_batch(self, batch: Any, last_micro: bool, group_samples: int) -> None:
+        """Forward and backward of one micro-batch. The task's mean loss is weighted by the
+        micro-batch's share of the optimizer step's samples, so that accumulating N batches
+        of B gives the gradient of one batch of N*B (and an uneven last batch counts right)."""
+        batch = self._to_device(batch)
+        n = self.task.batch_size(batch)
         sync = last_micro or not isinstance(self.model, nn.parallel.DistributedDataParallel)
         with contextlib.nullcontext() if sync else self.model.no_sync():
             with self._autocast():
-                out = self.forward(x)
-                loss_sum = F.cross_entropy(out.float(), y, reduction="sum")
-            self.scaler.scale(loss_sum / group_samples).backward()
-        self._loss_sum += loss_sum.detach()
-        self._correct += (out.detach().argmax(1) == y).sum()
-        self._seen += len(y)
+                out = self.task.training_step(self.forward, batch)
+            self.scaler.scale(out["loss"] * (n / group_samples)).backward()
+        self._accumulate(out, n)
+
+    def _accumulate(self, out: Mapping[str, torch.Tensor], n: int) -> None:
+        """Add ``n`` times each metric to the running sums, on the device (no host sync)."""
+        if self._train_names is None:
+            self._train_names = _metric_names(out, type(self.task).__name__, "training_step")
+        if self._train_sums is None:
+            self._train_sums = torch.zeros(len(self._train_names), dtype=torch.float64,
+                                           device=self.device)
+        values = torch.stack([out[k].detach().float() for k in self._train_names])
+        self._train_sums.add_(values, alpha=n)
+        self._seen += n
 
     def _optimizer_step(self, log_now: bool) -> None:
-        clip = self.t["grad_clip"]
+        clip = self.t.grad_clip
         if clip is not None or log_now:
             self.scaler.unscale_(self.optimizer)
             if clip is not None:
@@ -329,8 +377,9 @@ class Trainer:
 
     def _reduce(self, *values: torch.Tensor | float) -> list[float]:
         """Sum scalars over all ranks in one collective (the stop flag rides along)."""
-        stats = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device)
-                             for v in (*values, float(bool(self.stop)))])
+        parts = [torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(-1)
+                 for v in (*values, float(bool(self.stop)))]
+        stats = torch.cat(parts)
         if self.ctx.world_size > 1:
             dist.all_reduce(stats)
         *sums, stop = stats.tolist()
@@ -338,48 +387,52 @@ class Trainer:
             self.stopping = True
         return sums
 
+    def _means(self, names: list[str], sums: Sequence[float], count: float, prefix: str) -> dict[str, float]:
+        """``prefix/name`` -> sum / count for each name, plus the task's derived metrics."""
+        means = {n: s / max(count, 1) for n, s in zip(names, sums)}
+        means.update(self.task.derived(means))
+        return {f"{prefix}/{n}": v for n, v in means.items()}
+
     def _log_step(self) -> None:
-        loss_sum, correct, seen = self._reduce(self._loss_sum, self._correct, self._seen)
+        names = self._train_names or []
+        sums = self._train_sums if self._train_sums is not None else torch.zeros(0)
+        *totals, seen = self._reduce(sums, self._seen)
         now = time.perf_counter()
         rate = seen / max(now - self._last_log_time, 1e-9)
         self._last_log_time = now
-        self._loss_sum.zero_()
-        self._correct.zero_()
+        if self._train_sums is not None:
+            self._train_sums.zero_()
         self._seen = 0
         if not self.ctx.is_main:
             return
-        values = {
-            "train/loss": loss_sum / max(seen, 1),
-            "train/acc": correct / max(seen, 1),
-            "train/lr": self._step_lr,
-            "train/samples_per_s": rate,
-        }
+        values = self._means(names, totals, seen, "train")
+        values.update({"train/lr": self._step_lr, "train/samples_per_s": rate})
         if self._grad_norm is not None:
             values["train/grad_norm"] = float(self._grad_norm)
         if self.tb is not None:
             self.tb.scalars(self.step, values)
-        if self.bar is not None:
+        if self.bar is not None and "train/loss" in values:
             self.bar.set_postfix(loss=f"{values['train/loss']:.4f}", refresh=False)
 
     @torch.no_grad()
-    def _evaluate(self) -> dict[str, float]:
-        """Loss and accuracy over the whole validation set, each sample counted once across
-        ranks; the unwrapped model is used so no collective runs per batch."""
+    def evaluate(self, loader: Any, prefix: str = "val") -> dict[str, float]:
+        """The task's validation metrics over the whole dataset behind ``loader`` (this rank's
+        shard of it, from :meth:`eval_loader`), each sample counted once across ranks, as
+        ``prefix/<name>``. The unwrapped model is used, so no collective runs per batch."""
         self._sync_buffers()
         self.module.eval()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        correct = torch.zeros((), dtype=torch.float64, device=self.device)
+        names = self.val_names
+        sums = torch.zeros(len(names), dtype=torch.float64, device=self.device)
         count = 0
-        for x, y in self.val_loader:
-            x, y = self._to_device(x, y)
+        for batch in loader:
+            batch = self._to_device(batch)
             with self._autocast():
-                out = self.module(x)
-            loss_sum += F.cross_entropy(out.float(), y, reduction="sum")
-            correct += (out.argmax(1) == y).sum()
-            count += len(y)
-        loss_sum, correct, count = self._reduce(loss_sum, correct, count)
-        count = max(count, 1)
-        return {"val/loss": loss_sum / count, "val/acc": correct / count}
+                out = self.task.validation_step(self.module, batch)
+            n = self.task.batch_size(batch)
+            sums.add_(torch.stack([out[k].detach().float() for k in names]), alpha=n)
+            count += n
+        *totals, count = self._reduce(sums, count)
+        return self._means(names, totals, count, prefix)
 
     def _sync_buffers(self) -> None:
         """Give every rank rank 0's buffers (BatchNorm statistics) before evaluating, so all
@@ -397,29 +450,26 @@ class Trainer:
         if self.ctx.is_main:
             if self.tb is not None:
                 self.tb.scalars(self.step, {**val, "epoch/time_s": epoch_time, "epoch": self.epoch})
-                self.tb.scalars(self.step, {f"best/{self.t['monitor']}": self.best_value})
-            log.info(
-                "epoch %d  step %d  val/loss %.4f  val/acc %.4f%s  (%.1fs)",
-                self.epoch, self.step, val["val/loss"], val["val/acc"],
-                "  *best*" if improved else "", epoch_time,
-            )
+                self.tb.scalars(self.step, {f"best/{self.monitor}": self.best_value})
+            shown = "  ".join(f"{k} {v:.4f}" for k, v in val.items())
+            log.info("epoch %d  step %d  %s%s  (%.1fs)", self.epoch, self.step, shown,
+                     "  *best*" if improved else "", epoch_time)
         if complete:
             self.epoch += 1
             self.batch = 0
-        patience = self.t["early_stop_patience"]
+        patience = self.t.early_stop_patience
         if patience is not None and self.bad_epochs >= patience:
             self.status = "early_stopped"
             if self.ctx.is_main:
-                log.info("early stop: %s did not improve for %d epochs", self.t["monitor"], patience)
+                log.info("early stop: %s did not improve for %d epochs", self.monitor, patience)
         self._save(best=improved)
         if self.ctx.is_main:
-            self._write_metrics(self._result())
+            write_metrics(self.run_dir, self._result())
 
     def _update_best(self, val: dict[str, float]) -> bool:
-        value = val[self.t["monitor"]]
-        better = (
-            self.best_value is None
-            or (value > self.best_value if self.t["monitor_mode"] == "max" else value < self.best_value)
+        value = val[self.monitor]
+        better = self.best_value is None or (
+            value > self.best_value if self.monitor_mode == "max" else value < self.best_value
         )
         if better:
             self.best_value, self.best_epoch, self.bad_epochs = value, self.epoch, 0
@@ -433,40 +483,99 @@ class Trainer:
             self._save(best=False)
         self.status = "interrupted"
         if self.ctx.is_main:
-            name = signal.Signals(self.stop.signum).name if self.stop.signum else "a stop signal"
+            name = self.stop.name or "a stop signal"
             log.warning("%s: stopped at epoch %d, step %d; checkpoint saved",
-                        name if self.stop.signum else "another rank got " + name,
-                        self.epoch, self.step)
+                        name if self.stop else "another rank got " + name, self.epoch, self.step)
 
-    # ------------------------------------------------------------------ checkpoints
-    def _save(self, best: bool) -> None:
-        """Every rank contributes its RNG state; global rank 0 writes last.pt (and best.pt)."""
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> Optional[dict]:
+        """The checkpoint: what an exact resume needs. Every rank must call it (it gathers each
+        rank's random state); global rank 0 gets the dict, the others ``None``. Schema::
+
+            format       int, CHECKPOINT_FORMAT
+            model        the unwrapped model's state_dict (no "module." prefixes)
+            optimizer    optimizer.state_dict()
+            scheduler    scheduler.state_dict() or None
+            scaler       GradScaler.state_dict() or None
+            epoch        the epoch in progress (0-based) when saved
+            batch        batches of that epoch already done (0 = at the epoch's start)
+            step         optimizer steps done in all
+            best         {"metric": name, "value": best value or None, "epoch": int or None}
+            metrics      the latest validation metrics, e.g. {"val/loss": .., "val/acc": ..}
+            history      [{epoch, step, val/...}, ...] of every validation so far
+            early_stop   validations without improvement so far
+            ranks        one entry per rank: {"rng": generator states (torch, cuda, numpy,
+                         python), "train_accum": {"names", "sums", "seen"} not yet logged}
+            world_size   the world size that wrote it (``ranks`` has one entry per rank)
+            config       the resolved config of the run, plain Python
+        """
         mine = {
-            "rng": ckpt_io.rng_state(),
-            "train_accum": [float(self._loss_sum), float(self._correct), self._seen],
+            "rng": rng_state(),
+            "train_accum": {
+                "names": list(self._train_names or []),
+                "sums": self._train_sums.tolist() if self._train_sums is not None else [],
+                "seen": self._seen,
+            },
         }
-        states = [mine]
+        ranks = [mine]
         if self.ctx.world_size > 1:
-            states = [None] * self.ctx.world_size
-            dist.all_gather_object(states, mine)
+            ranks = [None] * self.ctx.world_size
+            dist.all_gather_object(ranks, mine)
         if not self.ctx.is_main:
+            return None
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
+            "epoch": self.epoch,
+            "batch": self.batch,
+            "step": self.step,
+            "best": {"metric": self.monitor, "value": self.best_value, "epoch": self.best_epoch},
+            "metrics": self.metrics,
+            "history": self.history,
+            "early_stop": self.bad_epochs,
+            "ranks": ranks,
+            "world_size": self.ctx.world_size,
+            "config": self.config,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` saved. Random states and unlogged training sums
+        are restored only when the world size is the same (else the run is not bit-exact,
+        and a warning says so)."""
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(_schedule_progress(state["scheduler"]))
+        if state.get("scaler") is not None and self.scaler.is_enabled():
+            self.scaler.load_state_dict(state["scaler"])
+        self.epoch, self.batch, self.step = state["epoch"], state["batch"], state["step"]
+        self.best_value, self.best_epoch = state["best"]["value"], state["best"]["epoch"]
+        self.metrics, self.history = state["metrics"], list(state["history"])
+        self.bad_epochs = state["early_stop"]
+        ranks = state["ranks"]
+        if state["world_size"] == self.ctx.world_size and len(ranks) == self.ctx.world_size:
+            mine = ranks[self.ctx.rank]
+            set_rng_state(mine["rng"])
+            accum = mine["train_accum"]
+            if accum["names"]:
+                self._train_names = list(accum["names"])
+                self._train_sums = torch.tensor(accum["sums"], dtype=torch.float64, device=self.device)
+            self._seen = accum["seen"]
+        elif self.ctx.is_main:
+            log.warning(
+                "checkpoint written by %d workers, resumed on %d: random streams start afresh, "
+                "so the run is not bit-identical to an uninterrupted one",
+                state["world_size"], self.ctx.world_size,
+            )
+
+    def _save(self, best: bool) -> None:
+        """Every rank contributes its state; global rank 0 writes last.pt (and best.pt)."""
+        state = self.state_dict()
+        if state is None:
             return
-        state = ckpt_io.build(
-            model=self.module.state_dict(),
-            optimizer=self.optimizer.state_dict(),
-            scheduler=self.scheduler.state_dict() if self.scheduler is not None else None,
-            scaler=self.scaler.state_dict() if self.scaler.is_enabled() else None,
-            epoch=self.epoch,
-            batch=self.batch,
-            step=self.step,
-            best={"metric": self.t["monitor"], "value": self.best_value, "epoch": self.best_epoch},
-            metrics=self.metrics,
-            history=self.history,
-            early_stop=self.bad_epochs,
-            ranks=states,
-            world_size=self.ctx.world_size,
-            config=self.cfg,
-        )
         last = self.ckpt_dir / ckpt_io.LAST
         ckpt_io.save_atomic(state, last)
         if best:
@@ -475,34 +584,12 @@ class Trainer:
     def _load(self, path: Path) -> None:
         state = ckpt_io.load(path, map_location=self.device)
         try:
-            self.module.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            if self.scheduler is not None and state.get("scheduler") is not None:
-                self.scheduler.load_state_dict(_schedule_progress(state["scheduler"]))
-            if state.get("scaler") is not None and self.scaler.is_enabled():
-                self.scaler.load_state_dict(state["scaler"])
-        except (RuntimeError, KeyError, ValueError) as exc:
+            self.load_state_dict(state)
+        except (RuntimeError, KeyError, ValueError, TypeError) as exc:
             raise ConfigError(
                 f"checkpoint {path} does not fit this run's model/optimizer ({str(exc).splitlines()[0]}); "
                 "resume with the config the run was started with"
             ) from None
-        self.epoch, self.batch, self.step = state["epoch"], state["batch"], state["step"]
-        self.best_value, self.best_epoch = state["best"]["value"], state["best"]["epoch"]
-        self.metrics, self.history = state["metrics"], list(state["history"])
-        self.bad_epochs = state["early_stop"]
-        ranks = state["ranks"]
-        if state["world_size"] == self.ctx.world_size and len(ranks) == self.ctx.world_size:
-            mine = ranks[self.ctx.rank]
-            ckpt_io.set_rng_state(mine["rng"])
-            loss_sum, correct, self._seen = mine["train_accum"]
-            self._loss_sum.fill_(loss_sum)
-            self._correct.fill_(correct)
-        elif self.ctx.is_main:
-            log.warning(
-                "checkpoint written by %d workers, resumed on %d: random streams start afresh, "
-                "so the run is not bit-identical to an uninterrupted one",
-                state["world_size"], self.ctx.world_size,
-            )
         if self.ctx.is_main:
             log.info("resumed from %s at epoch %d, batch %d, step %d", path, self.epoch, self.batch, self.step)
 
@@ -515,10 +602,9 @@ class Trainer:
             log.info("removed %d stale checkpoint temporaries", len(removed))
         self.tb = TBLogger(self.run_dir / "tb", purge_step=self.step + 1 if resumed else None)
         if not resumed:
-            self.tb.config(self.cfg)
-            metric = self.t["monitor"]
-            self.tb.hparams_start(self.hparams, ["val/acc", "val/loss", f"best/{metric}"])
-        show = self.t["progress_bar"]
+            self.tb.config(self.config)
+            self.tb.hparams_start(self.hparams)
+        show = self.t.progress_bar
         if show is None:
             show = sys.stderr.isatty()
         if show:
@@ -531,19 +617,33 @@ class Trainer:
             "status": self.status,
             "epochs": self.epoch,
             "steps": self.step,
-            "monitor": self.t["monitor"],
-            "monitor_mode": self.t["monitor_mode"],
+            "monitor": self.monitor,
+            "monitor_mode": self.monitor_mode,
             "final": self.metrics,
-            "best": {self.t["monitor"]: self.best_value, "epoch": self.best_epoch},
+            "best": {self.monitor: self.best_value, "epoch": self.best_epoch},
             "history": self.history,
             "world_size": self.ctx.world_size,
             "wall_time_s": round(time.time() - self.started, 3),
-            **({"stopped_by": signal.Signals(self.stop.signum).name}
-               if self.status == "interrupted" and self.stop.signum else {}),
+            **({"stopped_by": self.stop.name} if self.status == "interrupted" and self.stop else {}),
         }
 
-    def _write_metrics(self, result: dict) -> None:
-        write_metrics(self.run_dir, result)
+
+def _metric_names(out: Any, task: str, method: str) -> list[str]:
+    """The names of a task step's metrics, checked once: a dict of scalar tensors with
+    ``loss`` among them."""
+    if not isinstance(out, Mapping) or "loss" not in out:
+        got = sorted(out) if isinstance(out, Mapping) else type(out).__name__
+        raise ConfigError(
+            f"task {task}: {method} must return a dict of scalar tensors with a 'loss' entry; "
+            f"got {got}"
+        )
+    bad = [k for k, v in out.items() if not (isinstance(v, torch.Tensor) and v.numel() == 1)]
+    if bad:
+        raise ConfigError(
+            f"task {task}: {method} returned non-scalar values for {', '.join(map(str, bad))}; "
+            "each entry must be the mean over the batch's samples (a scalar tensor)"
+        )
+    return list(out)
 
 
 def _schedule_progress(state: dict) -> dict:

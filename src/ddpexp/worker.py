@@ -87,7 +87,7 @@ def run_worker(payload: WorkerPayload) -> Optional[dict]:
     ddist.init_process_group(ctx, trainer_cfg["dist_timeout_s"],
                              force=trainer_cfg["strategy"] == "ddp")
     try:
-        trainer = Trainer(cfg, ctx, Path(payload.run_dir), payload.hparams)
+        trainer = Trainer.from_config(cfg, ctx, Path(payload.run_dir), payload.hparams)
         result = trainer.fit(Path(resume_from) if resume_from else None)
         interrupted = result["status"] == "interrupted"
         if interrupted and ctx.world_size > 1:

@@ -1,0 +1,181 @@
+"""What a training step computes: the ``task`` config group and its contract.
+
+The trainer knows no task. It moves each batch to the device, calls
+:meth:`Task.training_step` (or :meth:`Task.validation_step`) and back-propagates the
+``"loss"`` it returns; every name the task returns is logged as ``train/<name>`` and
+``val/<name>``. A task is a plain class named by ``task._target_``::
+
+    class MyTask(ddpexp.Task):
+        monitor, monitor_mode = "val/mae", "min"     # defaults of trainer.monitor/_mode
+
+        def training_step(self, model, batch):
+            out = model(batch["x"])
+            loss = F.mse_loss(out, batch["y"])
+            return {"loss": loss, "mae": (out - batch["y"]).abs().mean()}
+
+The contract, in one place:
+
+- ``training_step(model, batch) -> dict[str, Tensor]``: scalar tensors, each the **mean over
+  the batch's samples**; ``"loss"`` is required and is what is back-propagated. ``model`` is
+  the (DDP-wrapped, possibly compiled) model to call.
+- ``validation_step(model, batch)``: optional, the same convention; by default
+  ``training_step`` (the trainer runs it under ``torch.no_grad`` with the model in eval mode).
+- ``batch_size(batch) -> int``: optional; by default the length of the first tensor found in
+  the batch (any nesting of tuples, lists and dicts).
+- ``derived(means) -> dict[str, float]``: optional; metrics computed from the aggregated
+  means, such as a perplexity from the mean loss.
+- ``monitor`` / ``monitor_mode``: optional class attributes.
+
+Because each returned value is a per-sample mean, the trainer weights it by
+``batch_size(batch)``: gradient accumulation, uneven last batches and validation sharded over
+any number of ranks then give exactly the numbers one big batch would.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ddpexp.errors import ConfigError
+
+
+class Task:
+    """Base class of the tasks; subclasses implement :meth:`training_step`."""
+
+    monitor: str = "val/loss"
+    monitor_mode: str = "min"
+
+    def training_step(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        """Forward one batch; return scalar per-sample means, ``"loss"`` among them."""
+        raise NotImplementedError
+
+    def validation_step(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        """Metrics of one validation (or test) batch; by default :meth:`training_step`."""
+        return self.training_step(model, batch)
+
+    def batch_size(self, batch: Any) -> int:
+        """Samples in ``batch``: the length of its first tensor."""
+        first = first_tensor(batch)
+        if first is None:
+            raise ConfigError(
+                f"task {type(self).__name__}: a batch holds no tensor, so its size is unknown; "
+                "define batch_size(batch) on the task"
+            )
+        return len(first)
+
+    def derived(self, means: Mapping[str, float]) -> dict[str, float]:
+        """Metrics computed from the aggregated means (none by default)."""
+        return {}
+
+
+def first_tensor(batch: Any) -> Optional[torch.Tensor]:
+    """The first tensor in a nesting of tuples, lists and dicts (dicts in insertion order)."""
+    if isinstance(batch, torch.Tensor):
+        return batch
+    items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    for item in items:
+        found = first_tensor(item)
+        if found is not None:
+            return found
+    return None
+
+
+def _pair(batch: Any, task: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise ConfigError(
+            f"task={task} expects batches (inputs, targets); got {type(batch).__name__}. "
+            "Use a data option that yields pairs, or a task of your own (task._target_)"
+        )
+    return batch[0], batch[1]
+
+
+def _output(out: Any, task: str) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor):
+        raise ConfigError(
+            f"task={task}: the model returned {type(out).__name__}, not a tensor. Its forward "
+            "must return the predictions as one tensor (or write a task of your own)"
+        )
+    return out
+
+
+class Classification(Task):
+    """Cross-entropy over class logits; reports ``loss`` and ``acc``."""
+
+    monitor = "val/acc"
+    monitor_mode = "max"
+
+    def training_step(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        x, y = _pair(batch, "classification")
+        logits = _output(model(x), "classification").float()
+        loss = F.cross_entropy(logits, y)
+        acc = (logits.detach().argmax(1) == y).float().mean()
+        return {"loss": loss, "acc": acc}
+
+
+class Regression(Task):
+    """Mean squared error; reports ``loss`` (= ``mse``), ``mse`` and ``mae``."""
+
+    monitor = "val/mse"
+    monitor_mode = "min"
+
+    def training_step(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        x, y = _pair(batch, "regression")
+        pred = _output(model(x), "regression").float()
+        y = y.float()
+        if pred.shape != y.shape and pred.dim() == y.dim() + 1 and pred.shape[-1] == 1:
+            pred = pred.squeeze(-1)  # one output per sample against a vector of targets
+        if pred.shape != y.shape:
+            raise ConfigError(
+                f"task=regression: the model predicts {list(pred.shape)} for targets of shape "
+                f"{list(y.shape)}; give the model one output per target (model.num_classes)"
+            )
+        err = pred - y
+        per_sample = err.pow(2).flatten(1).mean(1) if err.dim() > 1 else err.pow(2)
+        mse = per_sample.mean()
+        mae = err.detach().abs().mean()
+        return {"loss": mse, "mse": mse.detach(), "mae": mae}
+
+
+class LanguageModel(Task):
+    """Next-token prediction: ``batch`` is ``(tokens, next tokens)``, the model returns logits
+    of shape (batch, time, vocabulary). Reports ``loss`` (mean per token), ``acc`` (token
+    accuracy) and ``ppl`` (the perplexity, ``exp`` of the mean loss)."""
+
+    monitor = "val/loss"
+    monitor_mode = "min"
+
+    def training_step(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        x, y = _pair(batch, "lm")
+        logits = _output(model(x), "lm").float()
+        if logits.dim() != 3 or logits.shape[:2] != y.shape:
+            raise ConfigError(
+                f"task=lm: the model returned {list(logits.shape)} for tokens {list(y.shape)}; "
+                "it must return logits of shape (batch, time, vocabulary), e.g. model=gpt"
+            )
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        acc = (logits.detach().argmax(-1) == y).float().mean()
+        return {"loss": loss, "acc": acc}
+
+    def derived(self, means: Mapping[str, float]) -> dict[str, float]:
+        loss = means.get("loss")
+        return {} if loss is None else {"ppl": math.exp(min(loss, 700.0))}
+
+
+def task_defaults(target: str) -> tuple[str, str]:
+    """``(monitor, monitor_mode)`` of the task class ``target`` names, read from its class
+    attributes without building it."""
+    from hydra.utils import get_class
+
+    try:
+        cls = get_class(target)
+    except Exception as exc:  # ImportError, AttributeError, hydra's own wrapping
+        raise ConfigError(f"task._target_={target} cannot be imported: {exc}") from None
+    monitor = getattr(cls, "monitor", Task.monitor)
+    mode = str(getattr(cls, "monitor_mode", Task.monitor_mode))
+    if mode not in ("min", "max"):
+        raise ConfigError(f"{target}.monitor_mode={mode!r} is not one of min, max")
+    return monitor, mode
