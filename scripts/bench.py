@@ -32,10 +32,16 @@ one with the plain loop). ``--gpu``: one GPU, plain vs ddpexp (vs Lightning with
 fp32 and bf16, DDP on one rank (NCCL) and DataParallel, ``torch.compile`` on and off;
 ``--gpu --dry-run`` runs those cases tiny on the CPU, skipping ``torch.compile``.
 
+The ``search`` case (its own section below) runs the same trials of unequal length through
+the asynchronous Optuna search (``hydra/sweeper=optuna_async``) and through Hydra's basic
+sweeper in batches of ``max_parallel`` (how a batch sweeper such as hydra-optuna-sweeper with
+``n_jobs = max_parallel`` launches them), and compares slot utilisation and wall time.
+
     python scripts/bench.py                 # all CPU cases, 3 repeats
     python scripts/bench.py --quick         # a tiny case of each, 1 repeat (the test runs it)
     python scripts/bench.py --peers         # with Lightning, where it is installed
     python scripts/bench.py --gpu --peers   # the GPU cases (scripts/gpu_check.sh runs them)
+    python scripts/bench.py --cases search  # the search case only (--quick: 4 short trials)
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -349,6 +356,102 @@ def verdicts(cases: list[Case], res: Results) -> list[str]:
     return out
 
 
+# ---------------------------------------------------------------------- the search case
+SEARCH = "search"
+# The launcher logs each job's end: "#<n> ended (<status>) after <seconds> s".
+JOB_ENDED = re.compile(r"#(\d+) ended \((\w+)\) after ([\d.]+) s")
+
+
+def search_trials(quick: bool) -> list[int]:
+    """The trials, as ``trainer.max_epochs`` on the default digits data in batches of 16:
+    lengths from a few seconds (mostly start-up) to many epochs, as a search's are."""
+    return [1, 8, 1, 4] if quick else [1, 24, 2, 20, 1, 16, 3, 12]
+
+
+def _busy_s(output: str, jobs: int) -> float:
+    """Slot-seconds the sweep's jobs held (from each job's start to its end, as the launcher
+    measured them), read from the launcher's log."""
+    ended = {int(n): float(s) for n, status, s in JOB_ENDED.findall(output)}
+    if len(ended) != jobs:
+        raise SystemExit(f"expected {jobs} ended jobs in the sweep's log, found {sorted(ended)}")
+    return sum(ended.values())
+
+
+def _search_command(sweeper: str, epochs: list[int], slots: int, out: Path) -> list[str]:
+    common = [sys.executable, "-m", "ddpexp", "-m", "data.batch_size=16",
+              "trainer.log_every_n_steps=100000",
+              "trainer.progress_bar=false", f"hydra.launcher.max_parallel={slots}",
+              f"hydra.sweep.dir={out}"]
+    if sweeper == "basic":
+        return common + [f"hydra.sweeper.max_batch_size={slots}",
+                         "trainer.max_epochs=" + ",".join(map(str, epochs))]
+    # The study is created beforehand with these trials queued in order, so both sweepers
+    # run the same trials in the same order.
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    out.mkdir(parents=True)
+    study = optuna.create_study(study_name="ddpexp", direction="maximize", storage=JournalStorage(
+        JournalFileBackend(str(out / "optuna.journal"))))
+    for e in epochs:
+        study.enqueue_trial({"trainer.max_epochs": e})
+    space = "choice(" + ",".join(map(str, sorted(set(epochs)))) + ")"
+    return common + ["hydra/sweeper=optuna_async", "resume=auto",
+                     f"hydra.sweeper.n_trials={len(epochs)}", f"trainer.max_epochs={space}"]
+
+
+def search_bench(quick: bool, repeats: int, env: dict, timeout: float, slots: int = 2) -> str:
+    """The search case: the same trials through optuna_async and through Hydra's basic
+    sweeper in batches of ``slots``; a markdown table of medians."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    epochs = search_trials(quick)
+    # Per run: (utilisation, wall s, idle slot-seconds = slots x wall - busy).
+    figures: dict[str, list[tuple[float, float, float]]] = {"optuna_async": [], "basic": []}
+    with tempfile.TemporaryDirectory(prefix="ddpexp-bench-search-") as tmp:
+        for r in range(repeats):
+            order = list(figures) if r % 2 == 0 else list(figures)[::-1]
+            for sweeper in order:
+                out = Path(tmp) / f"{sweeper}-{r}"
+                cmd = _search_command(sweeper, epochs, slots, out)
+                proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True,
+                                      timeout=timeout)
+                if proc.returncode != 0:
+                    raise SystemExit(f"exit {proc.returncode}: {' '.join(cmd)}\n"
+                                     f"{proc.stdout}{proc.stderr}")
+                wall = _sweep_wall_s(proc.stdout + proc.stderr)
+                busy = _busy_s(proc.stdout + proc.stderr, len(epochs))
+                figures[sweeper].append((busy / (slots * wall), wall, slots * wall - busy))
+                print(f"[{r + 1}/{repeats}] search   {sweeper:12s} utilisation "
+                      f"{busy / (slots * wall):.2f}  wall {wall:.1f}s  idle slot-s "
+                      f"{slots * wall - busy:.1f}", file=sys.stderr, flush=True)
+    lines = [f"search: {len(epochs)} trials of trainer.max_epochs {epochs} on digits (batch 16), "
+             f"{slots} slots, medians of {repeats} run(s)", "",
+             "| sweeper | slot utilisation | sweep wall s | idle slot-s |", "|---|---|---|---|"]
+    for sweeper, runs in figures.items():
+        label = "optuna_async" if sweeper != "basic" else \
+            f"basic, batches of {slots} (as a batch sweeper launches)"
+        med = [statistics.median(run[i] for run in runs) for i in range(3)]
+        lines.append(f"| {label} | {med[0]:.2f} | {med[1]:.1f} | {med[2]:.1f} |")
+    return "\n".join(lines)
+
+
+LOG_STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]\[HYDRA\]", re.M)
+
+
+def _sweep_wall_s(output: str) -> float:
+    """From the sweep's first launcher line to its last (the summary): the span in which
+    trials could run, the same for both sweepers (Python and Hydra start-up excluded)."""
+    from datetime import datetime
+
+    stamps = [datetime.strptime(m, "%Y-%m-%d %H:%M:%S,%f") for m in LOG_STAMP.findall(output)]
+    if len(stamps) < 2:
+        raise SystemExit("the sweep's log holds no launcher lines")
+    return (stamps[-1] - stamps[0]).total_seconds()
+
+
 # ---------------------------------------------------------------------- main
 def make_cases(quick: bool, only: Optional[list[str]]) -> list[Case]:
     if quick:
@@ -407,8 +510,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny cases, 1 repeat (for the test)")
     p.add_argument("--repeats", type=int, default=None, help="rounds (default 3; 1 with --quick)")
     p.add_argument("--cases", nargs="+", default=None,
-                   help="a subset of: overhead compute startup sweep (with --gpu: gpu-fp32 "
-                        "gpu-bf16 gpu-dp gpu-compile)")
+                   help="a subset of: overhead compute startup sweep search (--quick runs search "
+                        "only when named; with --gpu: gpu-fp32 gpu-bf16 gpu-dp gpu-compile)")
     p.add_argument("--peers", action="store_true",
                    help="add Lightning (scripts/lightning_ddp.py) where it is installed")
     p.add_argument("--gpu", action="store_true", help="the GPU cases instead of the CPU ones")
@@ -426,6 +529,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     repeats = args.repeats or (1 if args.quick or args.dry_run else 3)
     skipped: list[str] = []
+    with_search = False
     if args.gpu:
         cases, skipped = gpu_cases(args.dry_run, args.cases)
         if not args.dry_run:
@@ -435,7 +539,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                 raise SystemExit("--gpu needs CUDA (torch.cuda.is_available() is false here); "
                                  "--gpu --dry-run runs the GPU cases on the CPU")
     else:
-        cases = make_cases(args.quick, args.cases)
+        with_search = SEARCH in (args.cases or ([] if args.quick else [SEARCH]))
+        others = [c for c in args.cases or [] if c != SEARCH]
+        cases = make_cases(args.quick, others or None) if others or not args.cases else []
     peers = args.peers and lightning_installed()
     if args.peers and not peers:
         skipped.append("lightning (neither lightning nor pytorch_lightning is importable)")
@@ -459,13 +565,17 @@ def main(argv: Optional[list[str]] = None) -> None:
                           f"wall {run.wall_s:6.2f}s  samples/s {_fmt(run.samples_per_s, 0)}  "
                           f"first step {_fmt(run.first_step_s)}s  max RSS {run.max_rss_mib:.0f}MiB",
                           file=sys.stderr, flush=True)
-    print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(table(cases, res, repeats, peers))
-    print()
-    for line in verdicts(cases, res):
-        print(line)
+    if cases:
+        print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        print(table(cases, res, repeats, peers))
+        print()
+        for line in verdicts(cases, res):
+            print(line)
     for what in skipped:
         print(f"skipped: {what}")
+    if with_search:
+        print()
+        print(search_bench(args.quick, repeats, env, args.timeout))
     if args.json:
         Path(args.json).write_text(json.dumps(
             {f"{c}/{r}": [vars(x) for x in runs] for (c, r), runs in res.runs.items()}, indent=2))

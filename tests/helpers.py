@@ -47,3 +47,30 @@ def build_trainer(run_dir: Path, overrides: Sequence[str] = (), config_dir: Opti
     plain = compose_config("trainer.progress_bar=false", *overrides, config_dir=config_dir)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     return Trainer.from_config(plain, DistContext(), Path(run_dir))
+
+
+def run_cli_here(args: Sequence[str], cwd: Path, monkeypatch, capsys) -> tuple[int, str]:
+    """``python -m ddpexp ARGS`` in this process (Hydra's ``main`` included): its exit status
+    and everything it printed. Milliseconds instead of a subprocess's seconds; for runs of
+    one worker (several need processes of their own anyway)."""
+    import sys
+
+    import pytest
+
+    import ddpexp.proc
+    from ddpexp.__main__ import cli
+
+    def exit_now(code: int = 0) -> None:  # the real one ends the process: end the call
+        raise SystemExit(code)
+
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", ["ddpexp", *args])
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setattr(ddpexp.proc, "exit_now", exit_now)
+    capsys.readouterr()  # what the test printed before is not the CLI's
+    with pytest.raises(SystemExit) as exited:
+        cli()
+    code = exited.value.code
+    out = capsys.readouterr()
+    status = code if isinstance(code, int) else 1  # sys.exit("message") exits 1
+    return status, out.out + out.err + (code if isinstance(code, str) else "")

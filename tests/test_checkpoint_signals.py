@@ -191,3 +191,20 @@ def test_worker_killed_group_restarts_from_last_checkpoint(workdir):
     reference = new_run(workdir, args)
     assert_same_final_state(run_dir, reference)
     assert_tensorboard_continues(run_dir, reference)
+
+
+def test_a_second_sigint_still_leaves_a_status(workdir):
+    """Ctrl-C twice on one worker: the second interrupts at once (no checkpoint), and
+    metrics.json says interrupted rather than running."""
+    run_dir = workdir / "run"
+    proc = start_cli([*LONG, HUGE, f"hydra.run.dir={run_dir}"], workdir)
+    wait_for(run_dir / "metrics.json", proc)  # the first epoch is done: the run is training
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.01)  # two signals at once would count as one
+    proc.send_signal(signal.SIGINT)
+    res = finish(proc, timeout=60)
+    assert not res.leftovers
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    metrics = read_metrics(run_dir)
+    assert metrics["status"] == "interrupted"
+    assert "second SIGINT" in metrics["error"] or metrics.get("stopped_by") == "SIGINT"

@@ -65,11 +65,11 @@ def write_cifar10(root: Path, per_batch: int = 4) -> Path:
 
 
 def write_imagefolder(root: Path, classes=("cat", "dog", "eel"), per_class: int = 3,
-                      size: tuple[int, int] = (10, 7)) -> Path:
+                      size: tuple[int, int] = (10, 7), splits=("train", "val")) -> Path:
     from PIL import Image
 
     rng = np.random.default_rng(0)
-    for split in ("train", "val"):
+    for split in splits:
         for c in classes:
             d = root / split / c
             d.mkdir(parents=True)
@@ -142,8 +142,10 @@ def test_mnist_shape_mismatch_is_named(tmp_path):
     write_mnist(tmp_path, size=(12, 12))
     with pytest.raises(ConfigError, match=re.escape("set data.shape=[1,12,12]")):
         MNIST(root=str(tmp_path), shape=[1, 28, 28]).load()
-    train, val = MNIST(root=str(tmp_path), shape=[1, 12, 12], mean=[0.5], std=[0.25]).load()
-    assert train.x.shape == (24, 1, 12, 12) and val.x.shape == (8, 1, 12, 12)
+    train, val, test = MNIST(root=str(tmp_path), shape=[1, 12, 12], mean=[0.5], std=[0.25]).load()
+    # val: 10% of the 24 training images; test: the 8 of the test files.
+    assert train.x.shape == (21, 1, 12, 12) and val.x.shape == (3, 1, 12, 12)
+    assert test.x.shape == (8, 1, 12, 12)
     assert train.transform is None and -2.0 - 1e-6 <= train.x.min() and train.x.max() <= 2.0 + 1e-6
 
 
@@ -180,7 +182,7 @@ def test_loader_settings_reach_the_dataloader(tmp_path):
     write_imagefolder(tmp_path)
     source = ImageFolder(root=str(tmp_path), shape=[1, 4, 4], batch_size=2, num_workers=2,
                          pin_memory=False, persistent_workers=True, prefetch_factor=3)
-    train, val = source.load()
+    train, val, *_ = source.load()
     assert source.num_classes == 3 and train[0][0].shape == (1, 4, 4)
     loader = source.loader(train, list(range(len(train))), seed=0, on_gpu=False, train=True)
     assert isinstance(loader, DataLoader)
@@ -193,7 +195,7 @@ def test_loader_settings_reach_the_dataloader(tmp_path):
     assert val_loader.pin_memory is True and val_loader.persistent_workers is False
     # The fast path: in-memory, no per-sample transform, fast_path on.
     syn = Synthetic(num_samples=10, val_samples=4, shape=[2], num_classes=2, batch_size=4)
-    tr, _ = syn.load()
+    tr, *_ = syn.load()
     fast = syn.loader(tr, list(range(10)), seed=0, on_gpu=False, train=True)
     assert isinstance(fast, TensorLoader) and [len(y) for _, y in fast] == [4, 4, 2]
     syn.fast_path = False

@@ -71,7 +71,7 @@ def test_checkpoint_loads_weights_only_and_reproduces_val_acc(default_run):
         model = ConvNet(input_shape=[1, 8, 8], num_classes=10)
         model.load_state_dict(ckpt["model"])
         model.eval()
-        _, val = Digits(batch_size=64).load()
+        _, val, _ = Digits(batch_size=64).load()
         with torch.no_grad():
             acc = (model(val.x).argmax(1) == val.y).float().mean().item()
         expected = metrics[key]["val/acc"]

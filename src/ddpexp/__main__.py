@@ -13,7 +13,7 @@ register_configs()
 @hydra.main(version_base="1.3", config_path="pkg://ddpexp.conf", config_name="config")
 def main(cfg: DictConfig) -> Optional[float]:
     """Run one experiment (every job of a sweep calls this); returns the monitored metric
-    so that Hydra sweepers such as optuna can optimise it."""
+    so that sweepers (ddpexp's optuna_async, Hydra's) can optimise it."""
     from ddpexp.launch import run
 
     return run(cfg)

@@ -33,10 +33,27 @@ def save_atomic(obj: dict, path: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except RuntimeError as exc:
+        tmp.unlink(missing_ok=True)
+        # torch's archive writer reports a short write ("unexpected pos ...", "file write
+        # failed") without the errno; a full disk is by far the usual cause.
+        if _disk_full(path.parent):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from None
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def _disk_full(directory: Path, need: int = 1 << 20) -> bool:
+    """Whether less than ``need`` bytes are free where ``directory`` lives."""
+    import shutil
+
+    try:
+        return shutil.disk_usage(directory).free < need
+    except OSError:
+        return False
 
 
 def link_atomic(src: Path, dst: Path) -> None:
@@ -75,12 +92,14 @@ def remove_stale_temporaries(directory: Path) -> list[Path]:
     return removed
 
 
-def load(path: Path | str, map_location: Any = "cpu", mmap: bool = False) -> dict:
+def load(path: Path | str, map_location: Any = "cpu", mmap: bool = False,
+         fix: Optional[str] = None) -> dict:
     """Read a checkpoint with ``weights_only=True``; anything else is a clear error.
 
     ``mmap=True`` maps the tensors instead of reading them: the whole (safe) unpickling and
     the archive's structure are still checked, at little cost, which is what :func:`verify`
-    uses before a run starts."""
+    uses before a run starts. ``fix`` is what a corrupt file's message advises (default: how
+    to resume from another checkpoint)."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
@@ -100,9 +119,9 @@ def load(path: Path | str, map_location: Any = "cpu", mmap: bool = False) -> dic
                 "create; ddpexp reads checkpoints with torch.load(weights_only=True) only and "
                 "refuses it. Re-save it as tensors and plain Python containers."
             ) from None
-        raise _corrupt(path, exc) from None
+        raise _corrupt(path, exc, fix) from None
     except (RuntimeError, EOFError, ValueError, OSError, KeyError) as exc:
-        raise _corrupt(path, exc) from None
+        raise _corrupt(path, exc, fix) from None
     if not isinstance(ckpt, dict) or "model" not in ckpt:
         raise CheckpointError(f"{path} is not a ddpexp checkpoint (no 'model' entry)")
     return ckpt
@@ -114,17 +133,16 @@ def verify(path: Path | str) -> None:
     load(path, mmap=True)
 
 
-def _corrupt(path: Path, exc: BaseException) -> CheckpointError:
+def _corrupt(path: Path, exc: BaseException, fix: Optional[str] = None) -> CheckpointError:
     reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if isinstance(exc, OSError) and exc.errno == errno.EINVAL:
         reason = "not a complete checkpoint archive"  # what torch reports for a cut-off file
-    other = path.with_name(BEST if path.name != BEST else LAST)
-    alternative = f"another checkpoint (e.g. resume={other})" if other.is_file() else \
-        "another checkpoint"
-    return CheckpointError(
-        f"checkpoint {path} is truncated or corrupt ({reason}). Point resume= at "
-        f"{alternative}, or start afresh."
-    )
+    if fix is None:
+        other = path.with_name(BEST if path.name != BEST else LAST)
+        alternative = f"another checkpoint (e.g. resume={other})" if other.is_file() else \
+            "another checkpoint"
+        fix = f"Point resume= at {alternative}, or start afresh."
+    return CheckpointError(f"checkpoint {path} is truncated or corrupt ({reason}). {fix}")
 
 
 def find(resume: Optional[str], run_dir: Path) -> Optional[Path]:

@@ -9,6 +9,7 @@ config is composed, before anything runs. What users swap (``model``, ``data``, 
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -76,6 +77,9 @@ class TrainerConfig:
     monitor_mode: Optional[MonitorMode] = None
     # Validations without a strict improvement before stopping; None = never.
     early_stop_patience: Optional[int] = None
+    # After training, evaluate best.pt on the data's test split (test/<name> in metrics.json);
+    # selection (best.pt, early stopping, sweeps) never looks at it.
+    test: bool = True
     sync_batchnorm: bool = False
     # torch.compile the training forward.
     compile: bool = False
@@ -84,6 +88,9 @@ class TrainerConfig:
     progress_bar: Optional[bool] = None
     # Seconds workers get to checkpoint and exit after a stop signal before they are killed.
     shutdown_grace_s: int = 30
+    # DDP's find_unused_parameters: for models whose forward leaves some parameters out of
+    # the loss (costs an extra graph traversal per step, so off unless asked for).
+    find_unused_parameters: bool = False
 
 
 @dataclass
@@ -98,6 +105,8 @@ class DdpexpConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     seed: int = 0
     resume: Optional[str] = None
+    # Start a new run in a hydra.run.dir that already holds one, replacing it.
+    overwrite: bool = False
 
 
 def register_configs() -> None:
@@ -126,16 +135,51 @@ def unique_dir(path: str) -> str:
     if path in _CLAIMED:
         return _CLAIMED[path]
     base = Path(path)
-    base.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        base.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(unwritable_dir_message(base, exc)) from None
     for n in range(10_000):
         candidate = base if n == 0 else base.with_name(f"{base.name}-{n}")
         try:
             candidate.mkdir()
         except FileExistsError:
             continue
+        except OSError as exc:
+            raise ConfigError(unwritable_dir_message(candidate, exc)) from None
         _CLAIMED[path] = str(candidate)
         return str(candidate)
     raise ConfigError(f"could not create a fresh run dir next to {path}")
+
+
+def claimed_dirs() -> set[str]:
+    """The run and sweep dirs this process created (absolute paths)."""
+    return {str(Path(d).absolute()) for d in _CLAIMED.values()}
+
+
+def unwritable_dir_message(path: Path, exc: OSError) -> str:
+    """Why a run dir cannot be made at ``path``, and what to do about it."""
+    why = exc.strerror or str(exc)
+    return (f"cannot create the run dir {path}: {why}. Run from a directory you can write to, "
+            "or point hydra.run.dir (hydra.sweep.dir for -m) at one")
+
+
+def writable_dir_problem(path: Path) -> Optional[str]:
+    """A message if no run dir can be created at ``path`` (a forbidden, read-only or
+    unwritable place); creates nothing that stays."""
+    probe = Path(path).expanduser().absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"cannot create the run dir {path}: {probe} is not a directory"
+    import tempfile
+
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as exc:
+        return unwritable_dir_message(Path(path), exc)
+    return None
 
 
 def resume_dir(resume: Any, fresh: str) -> str:
@@ -204,6 +248,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.max_restarts={t.max_restarts} must be >= 0")
     if t.dist_timeout_s <= 0:
         raise ConfigError(f"trainer.dist_timeout_s={t.dist_timeout_s} must be > 0")
+    _validate_ranges(cfg)
     if t.nodes > 1 and not t.rdzv_endpoint:
         raise ConfigError(
             f"trainer.nodes={t.nodes} needs trainer.rdzv_endpoint=HOST:PORT, the same on every "
@@ -232,6 +277,51 @@ def validate(cfg: DictConfig) -> None:
                 f"the {group} config has no _target_; pick one with {group}=NAME "
                 f"or give a YAML with _target_"
             )
+
+
+# (key, lowest allowed, whether the lowest is excluded, what the value means): values that
+# the types accept but that cannot work.
+_RANGES = (
+    ("trainer.grad_clip", 0, True, "the max gradient norm; null turns clipping off"),
+    ("trainer.early_stop_patience", 1, False, "validations without improvement; null = never stop"),
+    ("trainer.ckpt_every_steps", 1, False, "optimizer steps between checkpoints; null = at epoch ends"),
+    ("trainer.shutdown_grace_s", 0, False, "seconds to checkpoint after a stop signal"),
+    ("trainer.rdzv_timeout_s", 0, True, "seconds the nodes wait for each other"),
+    ("seed", 0, False, "the base seed"),
+    ("optimizer.lr", 0, False, "the learning rate"),
+    ("data.num_workers", 0, False, "DataLoader worker processes per rank"),
+)
+
+
+def _validate_ranges(cfg: DictConfig) -> None:
+    """Numbers out of range, and data keys the YAML leaves untyped (``data.batch_size=1.5``)."""
+    for key, low, strict, meaning in _RANGES:
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}={value!r} must be a number ({meaning})")
+        if value < low or (strict and value == low):
+            bound = f"> {low}" if strict else f">= {low}"
+            raise ConfigError(f"{key}={value} must be {bound} ({meaning})")
+    data = cfg.get("data")
+    if not isinstance(data, DictConfig):
+        return
+    for key, low, nullable in (("batch_size", 1, False), ("prefetch_factor", 1, True)):
+        if key not in data:
+            continue
+        value = data[key]
+        if value is None and nullable:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"data.{key}={value!r} must be >= {low}, a whole number"
+                              + (", or null" if nullable else ""))
+    if data.get("prefetch_factor") is not None and not data.get("num_workers"):
+        raise ConfigError(
+            f"data.prefetch_factor={data.prefetch_factor} needs data.num_workers > 0 (it is "
+            "how many batches each loader worker prepares ahead); set data.num_workers or "
+            "leave data.prefetch_factor=null"
+        )
 
 
 def unknown_trainer_keys(args: list[str]) -> Optional[str]:
@@ -265,12 +355,78 @@ def preflight(args: list[str]) -> Optional[str]:
     typo = unknown_trainer_keys(args)
     if typo:
         return typo
+    taken = existing_run_overwritten(args)
+    if taken:
+        return taken
     for arg in args:
         key, _, value = arg.partition("=")
         if key.lstrip("+") == "resume" and value not in ("", "null", "auto") and "," not in value \
                 and not Path(value).expanduser().exists():
             return f"resume={value} is neither auto, a run dir nor a checkpoint file that exists"
     return None
+
+
+# What a run writes into its dir; overwrite=true removes these before the new run starts.
+RUN_OUTPUTS = (".hydra", "checkpoints", "tb", "metrics.json")
+
+
+def holds_run(path: Path) -> bool:
+    """Whether ``path`` holds (part of) a ddpexp run: its config, checkpoints or metrics."""
+    return any((path / name).exists() for name in (".hydra/config.yaml", "checkpoints", "metrics.json"))
+
+
+def _shares_run_dir(values: dict[str, str]) -> bool:
+    """Processes that share one run dir by design: a submitit job requeued into its own dir,
+    the tasks of a SLURM step, the nodes of a multi-node run on a shared filesystem."""
+    env = os.environ
+    if any(k.startswith("SUBMITIT_") for k in env):
+        return True
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        return True
+    nodes = values.get("trainer.nodes", "1")
+    return nodes.isdigit() and int(nodes) > 1
+
+
+def existing_run_overwritten(args: list[str]) -> Optional[str]:
+    """A message when ``hydra.run.dir`` (or a sweep's ``hydra.sweep.dir``) names a dir that
+    already holds a run and neither ``resume=`` nor ``overwrite=true`` says what to do with it;
+    with ``overwrite=true`` the old run's outputs are removed first. Checked before Hydra
+    writes anything into the dir."""
+    values = {}
+    for arg in args:
+        key, eq, value = arg.partition("=")
+        if eq:
+            values[key.lstrip("+")] = value
+    multirun = any(a in ("-m", "--multirun") for a in args)
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    target = values.get(key)
+    # The default run and sweep dirs are under ./outputs.
+    problem = writable_dir_problem(Path(target if target and "${" not in target else "outputs"))
+    if problem:
+        return problem
+    if not target or "${" in target:
+        return None
+    path = Path(target).expanduser()
+    runs = [path] if not multirun else [d for d in path.iterdir() if d.is_dir()] if path.is_dir() else []
+    runs = [d for d in runs if holds_run(d)]
+    resume = values.get("resume", "null")
+    if not runs or resume not in ("", "null") or _shares_run_dir(values):
+        return None
+    if values.get("overwrite", "false").lower() in ("true", "1", "yes"):
+        for run in runs:
+            for name in (*RUN_OUTPUTS, *(p.name for p in run.glob("*.log"))):
+                victim = run / name
+                if victim.is_dir():
+                    shutil.rmtree(victim)
+                elif victim.exists():
+                    victim.unlink()
+        return None
+    what = f"{key}={target} already holds " + (
+        "a run" if not multirun else f"{len(runs)} run(s) of an earlier sweep")
+    resume_hint = "resume=auto" if multirun else f"resume={target}"
+    return (f"{what}; a new run there would overwrite its checkpoints and metrics.json. "
+            f"Continue it with {resume_hint}, start it over with overwrite=true "
+            f"(removes its outputs first), or pick another {key}")
 
 
 def env_flag(name: str) -> bool:

@@ -1,9 +1,14 @@
 """Datasets the ``data`` config group points at, and the loaders that feed a rank.
 
 Each ``data`` option is a :class:`DataSource`: it knows its loader settings, its
-``num_classes`` and ``shape``, and builds a train and a validation dataset. Datasets that fit in
-memory are :class:`InMemory` tensors and are batched by indexing (:class:`TensorLoader`), which
-is far cheaper than collating samples one by one; the rest go through a ``DataLoader``.
+``num_classes`` and ``shape``, and builds its train, validation and test datasets. No sample is
+in two of them: in-memory data is split three ways by a fixed seed; file-based data holds the
+validation set out of the training files and keeps the official test files as the test set, so
+that what a run selects on (``best.pt``, early stopping, a sweep's ranking) never saw them.
+
+Datasets that fit in memory are :class:`InMemory` tensors and are batched by indexing
+(:class:`TensorLoader`), which is far cheaper than collating samples one by one; the rest go
+through a ``DataLoader``.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import itertools
 import pickle
 import random
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -80,7 +85,7 @@ def seed_worker(worker_id: int) -> None:
 
 
 class DataSource:
-    """Loader settings plus the two datasets; subclasses implement :meth:`load`."""
+    """Loader settings plus the datasets; subclasses implement :meth:`load`."""
 
     def __init__(
         self,
@@ -106,8 +111,8 @@ class DataSource:
         self.prefetch_factor = prefetch_factor
         self.fast_path = fast_path
 
-    def load(self) -> tuple[Dataset, Dataset]:
-        """Return ``(train, val)``."""
+    def load(self) -> tuple[Dataset, ...]:
+        """Return ``(train, val, test)``, or ``(train, val)`` for data without a test split."""
         raise NotImplementedError
 
     def loader(
@@ -145,44 +150,83 @@ class DataSource:
         )
 
 
-def _split(n: int, labels: np.ndarray, val_fraction: float, seed: int):
-    """A deterministic stratified split of ``range(n)`` into train and val indices."""
+def split_indices(n: int, val_fraction: float, test_fraction: float, seed: int,
+                  labels: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A deterministic split of ``range(n)`` into train, val and test indices (stratified by
+    ``labels`` when given); every index lands in exactly one part."""
+    for name, frac in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
+        if not 0.0 <= frac < 1.0:
+            raise ConfigError(f"data.{name}={frac} must be in [0, 1)")
+    if val_fraction <= 0 or val_fraction + test_fraction >= 1.0:
+        raise ConfigError(
+            f"data.val_fraction={val_fraction} and data.test_fraction={test_fraction}: "
+            "validation needs a share above 0, and both together must leave data to train on"
+        )
+    rest, test = np.arange(n), np.arange(0)
+    if test_fraction > 0:
+        rest, test = _two_way(rest, test_fraction, seed, labels)
+    sub = None if labels is None else labels[rest]
+    train, val = _two_way(rest, val_fraction / (1.0 - test_fraction), seed, sub)
+    return np.sort(train), np.sort(val), np.sort(test)
+
+
+def _two_way(index: np.ndarray, fraction: float, seed: int, labels: Optional[np.ndarray]):
+    """``index`` cut into (kept, held out) with ``fraction`` held out, stratified where every
+    class can give a sample to both parts (small or skewed data falls back to a plain shuffle,
+    where scikit-learn would refuse)."""
     from sklearn.model_selection import train_test_split
 
-    return train_test_split(
-        np.arange(n), test_size=val_fraction, random_state=seed, stratify=labels
-    )
+    held = int(np.ceil(fraction * len(index)))
+    if len(index) < 2 or held < 1 or held >= len(index):
+        raise ConfigError(
+            f"a {fraction:.3g} share of {len(index)} samples leaves a part empty; "
+            "use larger data or a different data.val_fraction/test_fraction"
+        )
+    if labels is not None:
+        _, counts = np.unique(labels, return_counts=True)
+        if counts.min() < 2 or held < len(counts) or len(index) - held < len(counts):
+            labels = None
+    return train_test_split(index, test_size=held, random_state=seed, stratify=labels)
 
 
 class Digits(DataSource):
-    """scikit-learn's handwritten digits, standardised with the training split's statistics."""
+    """scikit-learn's handwritten digits, split three ways (stratified, ``split_seed``) and
+    standardised with the training split's statistics."""
 
-    def __init__(self, val_fraction: float = 0.2, split_seed: int = 0, **kwargs: Any):
+    def __init__(self, val_fraction: float = 0.1, test_fraction: float = 0.1, split_seed: int = 0,
+                 **kwargs: Any):
         super().__init__(**kwargs)
-        if not 0.0 < val_fraction < 1.0:
-            raise ConfigError(f"data.val_fraction={val_fraction} must be between 0 and 1")
-        self.val_fraction, self.split_seed = val_fraction, split_seed
+        self.val_fraction, self.test_fraction = val_fraction, test_fraction
+        self.split_seed = split_seed
 
-    def load(self) -> tuple[InMemory, InMemory]:
+    def load(self) -> tuple[InMemory, ...]:
         from sklearn.datasets import load_digits
 
         digits = load_digits()
         x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1)
         y = torch.tensor(digits.target, dtype=torch.long)
-        tr, va = _split(len(y), digits.target, self.val_fraction, self.split_seed)
-        tr, va = torch.as_tensor(tr), torch.as_tensor(va)
-        mean, std = x[tr].mean(), x[tr].std()
+        parts = [torch.as_tensor(p) for p in split_indices(
+            len(y), self.val_fraction, self.test_fraction, self.split_seed, digits.target)]
+        mean, std = x[parts[0]].mean(), x[parts[0]].std()
         x = (x - mean) / std
-        return InMemory(x[tr], y[tr]), InMemory(x[va], y[va])
+        return _present(InMemory(x[i], y[i]) for i in parts)
+
+
+def _present(parts: Iterable[InMemory]) -> tuple[InMemory, ...]:
+    """``(train, val, test)``, or ``(train, val)`` where ``test_fraction=0`` left test empty."""
+    parts = tuple(parts)
+    return parts if len(parts[2]) else parts[:2]
 
 
 class Synthetic(DataSource):
-    """Learnable data of any shape: class prototypes plus Gaussian noise, from a fixed seed."""
+    """Learnable data of any shape: class prototypes plus Gaussian noise, from a fixed seed.
+    Train, val and test are independent draws (``test_samples=0``: no test split)."""
 
     def __init__(
         self,
         num_samples: int = 2048,
         val_samples: int = 512,
+        test_samples: int = 512,
         noise: float = 1.0,
         data_seed: int = 0,
         **kwargs: Any,
@@ -190,12 +234,13 @@ class Synthetic(DataSource):
         super().__init__(**kwargs)
         if self.shape is None or self.num_classes is None:
             raise ConfigError("data=synthetic needs data.shape and data.num_classes")
-        if num_samples < 1 or val_samples < 1:
-            raise ConfigError("data.num_samples and data.val_samples must be >= 1")
-        self.num_samples, self.val_samples = num_samples, val_samples
+        if num_samples < 1 or val_samples < 1 or test_samples < 0:
+            raise ConfigError("data.num_samples and data.val_samples must be >= 1, "
+                              "data.test_samples >= 0")
+        self.num_samples, self.val_samples, self.test_samples = num_samples, val_samples, test_samples
         self.noise, self.data_seed = noise, data_seed
 
-    def load(self) -> tuple[InMemory, InMemory]:
+    def load(self) -> tuple[InMemory, ...]:
         g = torch.Generator().manual_seed(self.data_seed)
         prototypes = torch.randn((self.num_classes, *self.shape), generator=g)
 
@@ -208,7 +253,9 @@ class Synthetic(DataSource):
                 x[start : start + 4096] += prototypes[y[start : start + 4096]]
             return InMemory(x, y)
 
-        return make(self.num_samples), make(self.val_samples)
+        # Drawn in this order, so train and val stay what they were before test existed.
+        return _present(iter([make(self.num_samples), make(self.val_samples),
+                              make(self.test_samples)]))
 
 
 def _instantiate_transforms(specs: Optional[Sequence[Any]]) -> list:
@@ -220,7 +267,9 @@ def _instantiate_transforms(specs: Optional[Sequence[Any]]) -> list:
 
 
 class _TorchvisionSource(DataSource):
-    """Shared parts of the file-based datasets: root, download, normalisation, transforms."""
+    """Shared parts of the file-based datasets: root, download, normalisation, transforms,
+    and the validation set held out of the training files (``val_fraction``, stratified by
+    class, ``split_seed``), so that the official test files stay unseen until the test."""
 
     def __init__(
         self,
@@ -229,9 +278,15 @@ class _TorchvisionSource(DataSource):
         mean: Optional[Sequence[float]] = None,
         std: Optional[Sequence[float]] = None,
         train_transform: Optional[Sequence[Any]] = None,
+        val_fraction: float = 0.1,
+        split_seed: int = 0,
         **kwargs: Any,
     ):
         super().__init__(**kwargs)
+        if not 0.0 < val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction={val_fraction} must be between 0 and 1 "
+                              "(the share of the training files held out for validation)")
+        self.val_fraction, self.split_seed = val_fraction, split_seed
         # Absolute, so that messages say exactly where the files were looked for.
         self.root = Path(str(root)).expanduser().absolute()
         self.download = download
@@ -264,6 +319,22 @@ class _TorchvisionSource(DataSource):
         if self.mean is not None:
             steps.append(Normalize(self.mean, self.std))
         return InMemory(x.contiguous(), y, Compose(steps))
+
+    def _hold_out(self, labels: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indices of the training files' samples kept for training and held out for
+        validation."""
+        labels = np.asarray(labels)
+        train, val = _two_way(np.arange(len(labels)), self.val_fraction, self.split_seed, labels)
+        return torch.as_tensor(np.sort(train)), torch.as_tensor(np.sort(val))
+
+    def _three_way(self, images: torch.Tensor, labels: Any, test_images: torch.Tensor,
+                   test_labels: Any) -> tuple[InMemory, InMemory, InMemory]:
+        """Train and val from the training files, test from the test files."""
+        labels = torch.as_tensor(labels, dtype=torch.long)
+        tr, va = self._hold_out(labels.numpy())
+        return (self._in_memory(images[tr], labels[tr], train=True),
+                self._in_memory(images[va], labels[va], train=False),
+                self._in_memory(test_images, test_labels, train=False))
 
     def _fetch(self, dataset_cls: Any) -> None:
         """``data.download=true``: let torchvision fetch the files (only then, never implicitly)."""
@@ -319,7 +390,7 @@ class MNIST(_TorchvisionSource):
                 return candidate
         return None
 
-    def load(self) -> tuple[InMemory, InMemory]:
+    def load(self) -> tuple[InMemory, InMemory, InMemory]:
         import torchvision.datasets as tvd
 
         self._fetch(getattr(tvd, self.dataset_name))
@@ -347,8 +418,8 @@ class MNIST(_TorchvisionSource):
                     f"{images.shape[2]} grey images: set data.shape=[1,{images.shape[1]},"
                     f"{images.shape[2]}]"
                 )
-            out.append(self._in_memory(images, labels.long(), train=split))
-        return out[0], out[1]
+            out.append((images, labels.long()))
+        return self._three_way(*out[0], *out[1])
 
 
 class FashionMNIST(MNIST):
@@ -405,7 +476,7 @@ class CIFAR10(_TorchvisionSource):
             raise ConfigError(f"data=cifar10: {path} holds {len(data)} images, {len(labels)} labels")
         return data, labels
 
-    def load(self) -> tuple[InMemory, InMemory]:
+    def load(self) -> tuple[InMemory, InMemory, InMemory]:
         import torchvision.datasets as tvd
 
         self._fetch(tvd.CIFAR10)
@@ -420,26 +491,30 @@ class CIFAR10(_TorchvisionSource):
                 "is reachable."
             )
         out = []
-        for files, train in ((tvd.CIFAR10.train_list, True), (tvd.CIFAR10.test_list, False)):
+        for files in (tvd.CIFAR10.train_list, tvd.CIFAR10.test_list):
             parts = [self._read(folder / name, md5) for name, md5 in files]
             images = torch.from_numpy(np.concatenate([d for d, _ in parts])).permute(0, 2, 3, 1)
             labels = [label for _, ls in parts for label in ls]
-            out.append(self._in_memory(images, labels, train))
-        return out[0], out[1]
+            out.append((images, labels))
+        return self._three_way(*out[0], *out[1])
 
 
 class ImageFolder(_TorchvisionSource):
-    """Images in ``root/train/<class>/`` and ``root/val/<class>/``, read as they are needed."""
+    """Images in ``root/train/<class>/``, read as they are needed. Validation is
+    ``root/val/<class>/`` where that folder exists, else held out of ``root/train``
+    (``val_fraction``, stratified); test is ``root/test/<class>/`` where it exists."""
 
-    def load(self) -> tuple[Dataset, Dataset]:
-        from torchvision import datasets, transforms
+    def load(self) -> tuple[Dataset, ...]:
+        from torch.utils.data import Subset
+        from torchvision import transforms
 
-        for split in ("train", "val"):
-            if not (self.root / split).is_dir():
-                raise ConfigError(
-                    f"data=imagefolder: {self.root / split} does not exist. Lay the images out "
-                    f"as {self.root}/train/<class>/*.png and {self.root}/val/<class>/*.png."
-                )
+        if not (self.root / "train").is_dir():
+            raise ConfigError(
+                f"data=imagefolder: {self.root / 'train'} does not exist. Lay the images out "
+                f"as {self.root}/train/<class>/*.png, and optionally {self.root}/val/<class>/ "
+                f"and {self.root}/test/<class>/ (without val/, data.val_fraction of train/ "
+                "is held out for validation)."
+            )
         if self.shape is None:
             raise ConfigError("data=imagefolder needs data.shape=[C,H,W]")
         channels, size = self.shape[0], list(self.shape[1:])
@@ -449,32 +524,43 @@ class ImageFolder(_TorchvisionSource):
         tail = [transforms.ToTensor()]
         if self.mean is not None:
             tail.append(transforms.Normalize(self.mean, self.std))
-        try:
-            train = datasets.ImageFolder(
-                str(self.root / "train"),
-                transforms.Compose(common + self.train_transform + tail),
-                loader=_ImageLoader(channels),
-            )
-            val = datasets.ImageFolder(
-                str(self.root / "val"),
-                transforms.Compose(common + tail),
-                loader=_ImageLoader(channels),
-            )
-        except (FileNotFoundError, RuntimeError) as exc:
-            raise ConfigError(f"data=imagefolder: {exc}") from None
-        if train.classes != val.classes:
-            raise ConfigError(
-                f"data=imagefolder: train classes {train.classes} differ from val classes "
-                f"{val.classes}"
-            )
+        plain = transforms.Compose(common + tail)
+        train = self._folder("train", transforms.Compose(common + self.train_transform + tail))
+        if (self.root / "val").is_dir():
+            val: Dataset = self._folder("val", plain, train.classes)
+        else:
+            # The same files twice, so the held-out part is read without the train transform.
+            kept, held = self._hold_out(train.targets)
+            val = Subset(self._folder("train", plain), held.tolist())
+            train = Subset(train, kept.tolist())
+        test = self._folder("test", plain, self._classes) if (self.root / "test").is_dir() else None
         if self.num_classes is None:
-            self.num_classes = len(train.classes)
-        elif self.num_classes != len(train.classes):
+            self.num_classes = len(self._classes)
+        elif self.num_classes != len(self._classes):
             raise ConfigError(
                 f"data.num_classes={self.num_classes} but {self.root}/train has "
-                f"{len(train.classes)} class folders"
+                f"{len(self._classes)} class folders"
             )
-        return train, val
+        return (train, val) if test is None else (train, val, test)
+
+    def _folder(self, split: str, transform: Any, classes: Optional[list] = None):
+        """torchvision's ImageFolder over ``root/split``; its class folders must be those of
+        ``root/train`` (else a label would mean another class)."""
+        from torchvision import datasets
+
+        try:
+            folder = datasets.ImageFolder(str(self.root / split), transform,
+                                          loader=_ImageLoader(self.shape[0]))
+        except (FileNotFoundError, RuntimeError) as exc:
+            raise ConfigError(f"data=imagefolder: {exc}") from None
+        if classes is None:
+            self._classes = folder.classes
+        elif folder.classes != classes:
+            raise ConfigError(
+                f"data=imagefolder: train classes {classes} differ from {split} classes "
+                f"{folder.classes}"
+            )
+        return folder
 
 
 class _ImageLoader:
@@ -490,30 +576,6 @@ class _ImageLoader:
             return Image.open(f).convert(self.mode)
 
 
-def split_indices(n: int, val_fraction: float, test_fraction: float, seed: int,
-                  labels: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A deterministic split of ``range(n)`` into train, val and test indices (stratified by
-    ``labels`` when given); every index lands in exactly one part."""
-    from sklearn.model_selection import train_test_split
-
-    for name, frac in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
-        if not 0.0 <= frac < 1.0:
-            raise ConfigError(f"data.{name}={frac} must be in [0, 1)")
-    if val_fraction <= 0 or val_fraction + test_fraction >= 1.0:
-        raise ConfigError(
-            f"data.val_fraction={val_fraction} and data.test_fraction={test_fraction}: "
-            "validation needs a share above 0, and both together must leave data to train on"
-        )
-    rest, test = np.arange(n), np.arange(0)
-    if test_fraction > 0:
-        rest, test = train_test_split(rest, test_size=test_fraction, random_state=seed,
-                                      stratify=None if labels is None else labels)
-    sub = None if labels is None else labels[rest]
-    train, val = train_test_split(rest, test_size=val_fraction / (1.0 - test_fraction),
-                                  random_state=seed, stratify=sub)
-    return np.sort(train), np.sort(val), np.sort(test)
-
-
 class Diabetes(DataSource):
     """scikit-learn's diabetes data (442 patients x 10 features, a disease-progression target),
     features and target standardised with the training split's statistics."""
@@ -524,7 +586,7 @@ class Diabetes(DataSource):
         self.val_fraction, self.test_fraction = val_fraction, test_fraction
         self.split_seed = split_seed
 
-    def load(self) -> tuple[InMemory, InMemory, InMemory]:
+    def load(self) -> tuple[InMemory, ...]:
         from sklearn.datasets import load_diabetes
 
         raw = load_diabetes()
@@ -534,7 +596,7 @@ class Diabetes(DataSource):
         tr = torch.as_tensor(parts[0])
         x = (x - x[tr].mean(0)) / x[tr].std(0)
         y = (y - y[tr].mean()) / y[tr].std()
-        return tuple(InMemory(x[i], y[i]) for i in map(torch.as_tensor, parts))  # type: ignore[return-value]
+        return _present(InMemory(x[i], y[i]) for i in map(torch.as_tensor, parts))
 
 
 class Text(DataSource):

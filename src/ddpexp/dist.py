@@ -17,6 +17,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ddpexp.watchdog import COLLECTIVE_MARGIN_S, ENV_SLOTS
+
 
 @dataclass(frozen=True)
 class DistContext:
@@ -67,6 +69,10 @@ def init_process_group(ctx: DistContext, timeout_s: float, force: bool = False) 
     if ctx.world_size == 1 and not force:
         return
     backend = "nccl" if ctx.device.type == "cuda" else "gloo"
+    if os.environ.get(ENV_SLOTS):
+        # The launching process's watchdog names a stalled rank after timeout_s; the
+        # collectives wait a little longer, so that it acts first.
+        timeout_s += COLLECTIVE_MARGIN_S
     timeout = timedelta(seconds=timeout_s)
     if ctx.world_size == 1:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,

@@ -25,6 +25,10 @@ class RunFailed(DdpexpError):
     """A worker died, raised or stalled; the message names the rank and the cause."""
 
 
+class RunDiverged(DdpexpError):
+    """The training loss became NaN or infinite; the message says where and what to try."""
+
+
 class RunInterrupted(DdpexpError):
     """SIGTERM/SIGINT stopped the run after a checkpoint; the message says how to resume.
     ``signal`` names the signal (e.g. ``"SIGUSR2"``) where it is known."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -21,7 +23,10 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from ddpexp.config import env_flag, to_plain, validate
-from ddpexp.errors import ConfigError, DdpexpError, RunFailed, RunInterrupted
+from ddpexp.errors import ConfigError, DdpexpError, RunDiverged, RunFailed, RunInterrupted
+from ddpexp.failures import guard_run
+from ddpexp.resources import check_resources, oom_kills
+from ddpexp.watchdog import Watchdog
 
 log = logging.getLogger("ddpexp")
 
@@ -99,6 +104,7 @@ def overrides_as_hparams(overrides: list[str]) -> dict[str, Any]:
     return out
 
 
+@guard_run
 def run(cfg: DictConfig) -> Optional[float]:
     """The task function's body: run one experiment and return its monitored metric."""
     from hydra.core.hydra_config import HydraConfig
@@ -110,6 +116,7 @@ def run(cfg: DictConfig) -> Optional[float]:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     plan = _slurm_plan(cfg.trainer) if _slurm_ranks() else plan_run(cfg.trainer)
+    check_resources(plan)
     try:
         plain = to_plain(cfg)
     except OmegaConfBaseException as exc:
@@ -140,7 +147,7 @@ def run(cfg: DictConfig) -> Optional[float]:
     started = time.time()
     preempt = Preemption()
     try:
-        result = _dispatch(plan, cfg, payload)
+        result = dispatch(plan, cfg, payload)
     except RunInterrupted as exc:
         _record_failure(run_dir, exc, started)
         preempt.requeue(exc.signal)
@@ -155,11 +162,28 @@ def run(cfg: DictConfig) -> Optional[float]:
         preempt.requeue(by)
         raise RunInterrupted((f"stopped by {by}; " if by else "") + _resume_hint(run_dir, hydra_cfg),
                              signal=by)
+    if result["status"] == "diverged":
+        return _diverged(result, hydra_cfg)
     best = result["best"].get(result["monitor"])
-    log.info("%s: %d epochs, %d steps, best %s %s; run dir %s", result["status"],
+    tested = {k: v for k, v in result.get("test", {}).items() if k.startswith("test/")}
+    log.info("%s: %d epochs, %d steps, best %s %s%s; run dir %s", result["status"],
              result["epochs"], result["steps"], result["monitor"],
-             "n/a" if best is None else f"{best:.4f}", run_dir)
-    return best
+             "n/a" if best is None else f"{best:.4f}",
+             "".join(f", {k} {v:.4f}" for k, v in tested.items()), run_dir)
+    return best  # selection is on validation only: the test metrics are never returned
+
+
+def _diverged(result: dict, hydra_cfg: Any) -> float:
+    """A run whose training loss went non-finite: on its own it fails with the trainer's
+    message; as a sweep job it returns the worst value for the monitored direction, so that
+    a sweeper can rank it and the sweep goes on (its row says ``diverged``)."""
+    from hydra.types import RunMode
+
+    message = result.get("error") or "training diverged"
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        raise RunDiverged(message)
+    log.error("%s", message)
+    return float("-inf") if result.get("monitor_mode") == "max" else float("inf")
 
 
 def _resolve_monitor(plain: dict) -> None:
@@ -215,7 +239,10 @@ class Preemption:
             handler(getattr(signal, signal_name), None)
 
 
-def _dispatch(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
+def dispatch(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
+    """Run ``payload`` as ``plan`` says: in this process, under torch elastic, or as this
+    SLURM task's rank; global rank 0 gets the worker's result. Training runs and
+    ``ddpexp.eval`` both come through here."""
     from ddpexp.worker import run_worker
 
     if _slurm_ranks():
@@ -271,6 +298,9 @@ def _elastic(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
     from ddpexp.worker import EXIT_INTERRUPTED, run_worker
 
     t = cfg.trainer
+    # torch elastic keeps its per-run error files here; removed when the run ends (left to
+    # itself it leaves an empty /tmp/torchelastic_* dir behind per run).
+    elastic_dir = Path(tempfile.mkdtemp(prefix="ddpexp-elastic-"))
     env_keys = {}
     if plan.nodes == 1:
         endpoint, local_addr = f"127.0.0.1:{free_port()}", "127.0.0.1"
@@ -304,7 +334,7 @@ def _elastic(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
         # a child forked after its parent touched CUDA cannot use CUDA.
         start_method="fork" if plan.gpus == 0 else "spawn",
         local_addr=local_addr,
-        logs_specs=DefaultLogsSpecs(log_dir=None),
+        logs_specs=DefaultLogsSpecs(log_dir=str(elastic_dir)),
         shutdown_timeout=int(t.shutdown_grace_s),
         # The agent forwards these to the workers, which stop at a step boundary, checkpoint
         # and exit; it SIGKILLs those still running after shutdown_timeout.
@@ -312,12 +342,17 @@ def _elastic(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
     )
     # The agent replaces these handlers and never puts them back.
     saved = {sig: signal.getsignal(sig) for sig in (*stop_signals(), signal.SIGHUP, signal.SIGQUIT)}
+    watchdog = Watchdog(plan.procs, float(t.dist_timeout_s), payload.log_file)
+    oom_before = oom_kills()
     try:
-        results = elastic_launch(config, run_worker)(payload)
+        with watchdog:
+            results = elastic_launch(config, run_worker)(payload)
     except ChildFailedError as exc:
+        if watchdog.message:
+            raise RunFailed(watchdog.message) from None
         if all(f.exitcode == EXIT_INTERRUPTED for f in exc.failures.values()):
             raise RunInterrupted(_resume_hint(Path(payload.run_dir), None)) from None
-        raise RunFailed(_describe_failure(exc)) from None
+        raise RunFailed(_describe_failure(exc, oom_before)) from None
     except SignalException as exc:
         raise RunInterrupted(
             f"stopped by {exc.sigval.name}; " + _resume_hint(Path(payload.run_dir), None),
@@ -326,14 +361,27 @@ def _elastic(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+        shutil.rmtree(elastic_dir, ignore_errors=True)
+    if watchdog.message:  # a stall the group recovered from by a restart
+        log.warning("%s", watchdog.message)
     return results.get(0)
 
 
-def _describe_failure(exc: Any) -> str:
-    """One message naming each failed rank and its cause (the first line of its error)."""
+def _describe_failure(exc: Any, oom_kills_before: Optional[int] = None) -> str:
+    """One message naming each failed rank and its cause (the first line of its error).
+    A mistake every failed rank reports alike (a ddpexp error, such as a shape check on the
+    first batch) is said once, as it is."""
+    same = {_own_error(f) for f in exc.failures.values()}
+    if len(same) == 1 and None not in same:
+        return same.pop()  # type: ignore[return-value]
+    oom = oom_kills_before is not None and (oom_kills() or 0) > oom_kills_before
     lines = []
     for rank, failure in sorted(exc.failures.items()):
         cause = _cause(failure)
+        if cause == "was killed by SIGKILL":
+            cause += (" from the kernel's out-of-memory killer: memory ran out (use fewer "
+                      "trainer.procs, a smaller data.batch_size or model)" if oom else
+                      " (by another process, or by the kernel when memory ran out)")
         lines.append(f"rank {rank} (pid {failure.pid}) {cause}")
     head = "a worker failed, so the whole run was stopped:" if len(lines) == 1 else \
         f"{len(lines)} workers failed, so the whole run was stopped:"
@@ -344,6 +392,20 @@ def _describe_failure(exc: Any) -> str:
             "e.g. stuck in data loading or a deadlock, or skipped a collective)"
         )
     return text
+
+
+def _own_error(failure: Any) -> Optional[str]:
+    """The message of a ddpexp error (ConfigError, CheckpointError, ...) a rank raised."""
+    from ddpexp import errors
+
+    data = failure.error_file_data
+    message = data.get("message") if isinstance(data, dict) else None
+    text = str(message.get("message", "")) if isinstance(message, dict) else ""
+    name, _, rest = text.partition(": ")
+    cls = getattr(errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, errors.DdpexpError) and rest:
+        return rest
+    return None
 
 
 def _cause(failure: Any) -> str:

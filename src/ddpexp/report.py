@@ -7,12 +7,15 @@ TensorBoard HParams) can build on the same rows::
 
     rows = collect(sweep_dir)            # list[Row], best first
     print(format_rows(rows, "text"))     # or "md", "csv", "json"
-    write_summary(sweep_dir, rows)       # summary.csv + summary.md
+    groups = group_seeds(rows)           # list[Group]: runs that differ only in seed
+    print(format_groups(groups, "text")) # n, mean and std of final, best and test metrics
+    write_summary(sweep_dir, rows)       # summary.csv/md (+ summary_by_seed.csv/md)
 
 Everything is read from each run dir's ``metrics.json`` (written by ddpexp's trainer:
-status, epochs, steps, ``final``/``best`` metrics, ``monitor``/``monitor_mode``, wall time,
-``error``) and ``.hydra/overrides.yaml``. A run dir without ``metrics.json`` still gets a row
-(status ``no metrics``), so a job that failed before training is never silently missing.
+status, epochs, steps, ``final``/``best``/``test`` metrics, ``monitor``/``monitor_mode``, wall
+time, ``error``), ``.hydra/overrides.yaml`` and the ``seed`` of ``.hydra/config.yaml``. A
+run dir without ``metrics.json`` still gets a row (status ``no metrics``), so a job that
+failed before training is never silently missing.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ METRICS_FILE = "metrics.json"
 FORMATS = ("text", "md", "csv", "json")
 NO_METRICS = "no metrics"
 # Columns of every format, in order (csv/json use the field names, text/md the titles).
-COLUMNS = ("job", "overrides", "status", "final", "best", "epochs", "steps", "wall_time_s", "error")
+COLUMNS = ("job", "overrides", "status", "final", "best", "test", "epochs", "steps", "wall_time_s",
+           "error")
 
 
 @dataclass
@@ -44,13 +48,17 @@ class Row:
     monitor_mode: str = "max"
     final: Optional[float] = None
     best: Optional[float] = None
+    # The monitored metric on the test split, from best.pt (test/acc for val/acc).
+    test: Optional[float] = None
     epochs: Optional[int] = None
     steps: Optional[int] = None
     wall_time_s: Optional[float] = None
     error: Optional[str] = None
     dir: Optional[str] = None
-    # The final validation metrics, whatever the task names them ({"val/mse": .., ...}).
+    # The final validation metrics and the test metrics, whatever the task names them
+    # ({"val/mse": .., "test/mse": .., ...}).
     metrics: dict = field(default_factory=dict)
+    seed: Optional[int] = None
 
     def as_dict(self) -> dict:
         """Plain values, overrides joined by spaces, one key per final metric (what csv and
@@ -65,7 +73,7 @@ def read_run(run_dir: Path, job: Optional[str] = None) -> Row:
     """The row of one run dir (``job`` names it in the table; default: the dir's name)."""
     run_dir = Path(run_dir)
     row = Row(job=job if job is not None else run_dir.name, dir=str(run_dir),
-              overrides=_read_overrides(run_dir))
+              overrides=_read_overrides(run_dir), seed=_read_seed(run_dir))
     path = run_dir / METRICS_FILE
     if not path.is_file():
         return row
@@ -74,19 +82,34 @@ def read_run(run_dir: Path, job: Optional[str] = None) -> Row:
     except (OSError, ValueError) as exc:
         row.status, row.error = "unreadable", f"{path}: {exc}"
         return row
+    if not isinstance(data, dict):
+        row.status = "unreadable"
+        row.error = f"{path} holds a JSON {type(data).__name__}, not a run's metrics object"
+        return row
     monitor = data.get("monitor")
+    if not isinstance(monitor, str):
+        monitor = None
     row.status = str(data.get("status", "unknown"))
     row.monitor = monitor
     row.monitor_mode = str(data.get("monitor_mode", "max"))
-    row.final = _number((data.get("final") or {}).get(monitor)) if monitor else None
-    row.best = _number((data.get("best") or {}).get(monitor)) if monitor else None
+    row.final = _number(_entry(data, "final", monitor))
+    row.best = _number(_entry(data, "best", monitor))
     row.epochs = data.get("epochs")
     row.steps = data.get("steps")
     row.wall_time_s = _number(data.get("wall_time_s"))
     row.error = data.get("error")
-    final = data.get("final") or {}
-    row.metrics = {k: v for k, v in final.items() if _number(v) is not None} if isinstance(final, dict) else {}
+    for part in ("final", "test"):
+        values = data.get(part) or {}
+        if isinstance(values, dict):
+            row.metrics.update({k: v for k, v in values.items()
+                                if "/" in k and _number(v) is not None})
+    row.test = _number(row.metrics.get(test_name(monitor))) if monitor else None
     return row
+
+
+def test_name(monitor: str) -> str:
+    """The test counterpart of a validation metric: ``val/acc`` -> ``test/acc``."""
+    return "test/" + monitor.split("/", 1)[1] if monitor.startswith("val/") else monitor
 
 
 def run_dirs(root: Path) -> list[Path]:
@@ -136,9 +159,13 @@ def format_rows(rows: Sequence[Row], fmt: str = "text") -> str:
         writer.writerows(r.as_dict() for r in rows)
         return buf.getvalue()
     columns = _columns(rows)
-    titles = _titles(rows, columns)
     varying = _varying_overrides(rows)
     cells = [[_cell(r, c, varying) for c in columns] for r in rows]
+    return _render(_titles(rows, columns), cells, fmt)
+
+
+def _render(titles: Sequence[str], cells: Sequence[Sequence[str]], fmt: str) -> str:
+    """A table as markdown (``md``) or aligned text."""
     if fmt == "md":
         lines = ["| " + " | ".join(titles) + " |", "|" + "|".join("---" for _ in titles) + "|"]
         lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in cells]
@@ -150,12 +177,136 @@ def format_rows(rows: Sequence[Row], fmt: str = "text") -> str:
     return "\n".join(lines) + "\n"
 
 
+# ------------------------------------------------------------------------------ seeds
+@dataclass
+class Group:
+    """Runs that differ only in ``seed`` (one configuration): how many, which seeds, and
+    the mean and sample standard deviation (``None`` for one run) of each metric over the
+    runs that have it."""
+
+    overrides: list[str]
+    n: int
+    seeds: list = field(default_factory=list)
+    jobs: list[str] = field(default_factory=list)
+    dirs: list[str] = field(default_factory=list)
+    status: str = ""
+    monitor: Optional[str] = None
+    monitor_mode: str = "max"
+    # column ("final", "best", "test", or a metric name) -> (mean, std, runs that had it)
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def metrics(self) -> dict:
+        return {k: v for k, v in self.stats.items() if "/" in k}
+
+    def as_dict(self) -> dict:
+        """Plain values: ``<column>_mean`` and ``<column>_std`` per statistic (csv, json)."""
+        out: dict[str, Any] = {"overrides": " ".join(self.overrides), "n": self.n,
+                               "seeds": " ".join(map(str, self.seeds)), "status": self.status,
+                               "monitor": self.monitor}
+        for name, (mean, std, _) in self.stats.items():
+            out[f"{name}_mean"], out[f"{name}_std"] = mean, std
+        out["jobs"] = " ".join(self.jobs)
+        return out
+
+
+def group_seeds(rows: Sequence[Row]) -> list[Group]:
+    """One :class:`Group` per configuration: rows whose overrides are the same once ``seed``
+    is left out. Best mean monitored value first."""
+    import statistics
+
+    groups: dict[tuple, list[Row]] = {}
+    for row in rows:
+        groups.setdefault(tuple(sorted(_without_seed(row.overrides))), []).append(row)
+    out = []
+    for members in groups.values():
+        members = sorted(members, key=lambda r: (r.seed is None, r.seed or 0, _natural_key(Path(r.job))))
+        first = members[0]
+        counts: dict[str, int] = {}
+        for r in members:
+            counts[r.status] = counts.get(r.status, 0) + 1
+        group = Group(
+            overrides=_without_seed(first.overrides), n=len(members),
+            seeds=[r.seed if r.seed is not None else "?" for r in members],
+            jobs=[r.job for r in members], dirs=[r.dir for r in members if r.dir],
+            status=", ".join(f"{k} {v}" for k, v in counts.items()),
+            monitor=first.monitor, monitor_mode=first.monitor_mode,
+        )
+        for name in ("final", "best", "test", *_metric_columns(members, first.monitor)):
+            values = [v for v in (_value(r, name) for r in members) if v is not None]
+            if values:
+                std = statistics.stdev(values) if len(values) > 1 else None
+                group.stats[name] = (statistics.fmean(values), std, len(values))
+        out.append(group)
+
+    def key(g: Group) -> tuple:
+        best = g.stats.get("best")
+        if best is None:
+            return (1, 0.0, _natural_key(Path(g.jobs[0])))
+        return (0, -best[0] if g.monitor_mode == "max" else best[0], _natural_key(Path(g.jobs[0])))
+
+    return sorted(out, key=key)
+
+
+def varies_seed(rows: Sequence[Row]) -> bool:
+    """Whether some configuration among ``rows`` ran with more than one seed."""
+    return any(len(set(g.seeds)) > 1 for g in group_seeds(rows))
+
+
+def format_groups(groups: Sequence[Group], fmt: str = "text") -> str:
+    """The per-configuration table in ``fmt`` (``mean ± std`` cells in text and md)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
+    dicts = [g.as_dict() for g in groups]
+    if fmt == "json":
+        return json.dumps(dicts, indent=2) + "\n"
+    if fmt == "csv":
+        names: list[str] = []
+        for d in dicts:
+            names += [k for k in d if k not in names]
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=names, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(dicts)
+        return buf.getvalue()
+    stats = ["final", "best", "test", *_metric_columns(groups, _monitor(groups))]
+    stats = [c for c in stats if any(c in g.stats for g in groups)]
+    varying = _varying_overrides(groups)
+    titles = ["overrides", "n", "seeds", "status", *_titles(groups, stats)]
+    cells = [[" ".join(o for o in g.overrides if varying is None or o in varying),
+              str(g.n), " ".join(map(str, g.seeds)), g.status,
+              *(_mean_std(g.stats.get(c), g.n) for c in stats)] for g in groups]
+    return _render(titles, cells, fmt)
+
+
+def _without_seed(overrides: Sequence[str]) -> list[str]:
+    return [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != "seed"]
+
+
+def _value(row: Row, name: str) -> Optional[float]:
+    return getattr(row, name) if name in ("final", "best", "test") else _number(row.metrics.get(name))
+
+
+def _mean_std(stat: Optional[tuple], n: int) -> str:
+    if stat is None:
+        return ""
+    mean, std, count = stat
+    text = f"{mean:.4f}" if std is None else f"{mean:.4f} ± {std:.4f}"
+    return text if count == n else f"{text} ({count} of {n})"
+
+
 def write_summary(directory: Path, rows: Sequence[Row]) -> tuple[Path, Path]:
-    """Write ``summary.csv`` and ``summary.md`` into ``directory``; returns their paths."""
+    """Write ``summary.csv`` and ``summary.md`` into ``directory``, and, where some
+    configuration ran with several seeds, ``summary_by_seed.csv`` and ``summary_by_seed.md``
+    (one row per configuration); returns the paths of the first two."""
     directory = Path(directory)
     csv_path, md_path = directory / "summary.csv", directory / "summary.md"
     csv_path.write_text(format_rows(rows, "csv"))
     md_path.write_text(format_rows(rows, "md"))
+    if varies_seed(rows):
+        groups = group_seeds(rows)
+        (directory / "summary_by_seed.csv").write_text(format_groups(groups, "csv"))
+        (directory / "summary_by_seed.md").write_text(format_groups(groups, "md"))
     return csv_path, md_path
 
 
@@ -166,6 +317,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--format", "-f", choices=FORMATS, default="text")
     parser.add_argument("--plot", type=Path, metavar="FILE.png",
                         help="also draw the runs' validation curves (the monitored metric and val/loss), one line per run")
+    parser.add_argument("--group-seeds", action="store_true",
+                        help="one row per configuration: runs that differ only in seed, with n and "
+                             "the mean and standard deviation of the final, best and test metrics "
+                             "(with --plot: the mean curve and a band of one standard deviation)")
     args = parser.parse_args(argv)
     if not args.dir.is_dir():
         parser.error(f"{args.dir} is not a directory")
@@ -173,17 +328,39 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not rows:
         print(f"no runs under {args.dir}", file=sys.stderr)
         return 1
-    sys.stdout.write(format_rows(rows, args.format))
+    groups = group_seeds(rows) if args.group_seeds else None
+    sys.stdout.write(format_groups(groups, args.format) if groups is not None
+                     else format_rows(rows, args.format))
+    for row in rows:
+        if row.status == "unreadable":
+            print(f"note: run {row.job} skipped: {row.error}", file=sys.stderr)
     if args.plot is not None:
-        from ddpexp.plot import plot_curves
-
-        varying = _varying_overrides(rows)
-        runs = [(_label(r, varying), Path(r.dir)) for r in rows if r.dir]
-        monitor = _monitor(rows) or "val/loss"
-        tags = [monitor] + (["val/loss"] if monitor != "val/loss" else [])
-        drawn = plot_curves(runs, args.plot, tags)
-        print(f"wrote {args.plot}: {drawn} runs, one curve each", file=sys.stderr)
+        try:
+            _plot(rows, groups, args.plot)
+        except OSError as exc:
+            print(f"--plot {args.plot}: cannot write it ({exc.strerror or exc}); pick a path in "
+                  "a directory you can write to", file=sys.stderr)
+            return 1
     return 0
+
+
+def _plot(rows: Sequence[Row], groups: Optional[Sequence[Group]], out: Path) -> None:
+    from ddpexp.plot import plot_curves, plot_groups
+
+    monitor = _monitor(rows) or "val/loss"
+    tags = [monitor] + (["val/loss"] if monitor != "val/loss" else [])
+    if groups is not None:
+        varying = _varying_overrides(groups)
+        labelled = [(" ".join(o for o in g.overrides if varying is None or o in varying)
+                     or "all runs", [Path(d) for d in g.dirs]) for g in groups]
+        drawn = plot_groups(labelled, out, tags)
+        print(f"wrote {out}: {drawn} configurations, the mean over seeds with a band of one "
+              "standard deviation", file=sys.stderr)
+        return
+    varying = _varying_overrides(rows)
+    runs = [(_label(r, varying), Path(r.dir)) for r in rows if r.dir]
+    drawn = plot_curves(runs, out, tags)
+    print(f"wrote {out}: {drawn} runs, one curve each", file=sys.stderr)
 
 
 def _label(row: Row, varying: Optional[set]) -> str:
@@ -211,6 +388,26 @@ def _read_overrides(run_dir: Path) -> list[str]:
     return [str(o) for o in data or []]
 
 
+def _read_seed(run_dir: Path) -> Optional[int]:
+    """The run's ``seed`` as its resolved config says (an override or the config's own)."""
+    path = run_dir / ".hydra" / "config.yaml"
+    if not path.is_file():
+        return None
+    import yaml
+
+    try:
+        seed = (yaml.safe_load(path.read_text()) or {}).get("seed")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    return seed if isinstance(seed, int) and not isinstance(seed, bool) else None
+
+
+def _entry(data: dict, section: str, monitor: Optional[str]) -> Any:
+    """``data[section][monitor]`` where both exist and ``data[section]`` is a mapping."""
+    node = data.get(section)
+    return node.get(monitor) if monitor and isinstance(node, dict) else None
+
+
 def _number(value: Any) -> Optional[float]:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
@@ -219,30 +416,34 @@ def _natural_key(path: Path) -> tuple:
     return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.parts)
 
 
-def _monitor(rows: Sequence[Row]) -> Optional[str]:
+def _monitor(rows: Sequence[Any]) -> Optional[str]:
     monitors = {r.monitor for r in rows if r.monitor}
     return monitors.pop() if len(monitors) == 1 else None
 
 
-def _metric_columns(rows: Sequence[Row], skip: Optional[str]) -> list[str]:
-    """Every final metric name of the rows (the task's names), except ``skip``."""
-    names = {k for r in rows for k in r.metrics if k != skip}
+def _metric_columns(rows: Sequence[Any], skip: Optional[str]) -> list[str]:
+    """Every final and test metric name of the rows (the task's names), except ``skip``
+    (the monitored metric, which has its own final/best/test columns) and its test twin."""
+    names = {k for r in rows for k in r.metrics}
+    if skip:
+        names -= {skip, test_name(skip)}
     return sorted(names)
 
 
 def _columns(rows: Sequence[Row]) -> list[str]:
-    """COLUMNS, with the task's other final metrics after the monitored one's best."""
-    at = COLUMNS.index("best") + 1
+    """COLUMNS, with the task's other metrics after the monitored one's test value."""
+    at = COLUMNS.index("test") + 1
     return [*COLUMNS[:at], *_metric_columns(rows, _monitor(rows)), *COLUMNS[at:]]
 
 
-def _titles(rows: Sequence[Row], columns: Sequence[str]) -> list[str]:
-    metric = _monitor(rows) or "metric"
-    names = {"final": f"final {metric}", "best": f"best {metric}", "wall_time_s": "wall s"}
+def _titles(rows: Sequence[Any], columns: Sequence[str]) -> list[str]:
+    metric = _monitor(rows)
+    names = {"final": f"final {metric or 'metric'}", "best": f"best {metric or 'metric'}",
+             "test": test_name(metric) if metric else "test", "wall_time_s": "wall s"}
     return [names.get(c, c) for c in columns]
 
 
-def _varying_overrides(rows: Sequence[Row]) -> Optional[set]:
+def _varying_overrides(rows: Sequence[Any]) -> Optional[set]:
     """Overrides not shared by every row: what a sweep varies (None: show them all)."""
     if len(rows) < 2:
         return None
@@ -264,7 +465,7 @@ def _cell(row: Row, column: str, varying: Optional[set] = None) -> str:
         # One line in a table; the full text is in the csv/json and the job's log.
         text = " ".join(str(value).split())
         return text if len(text) <= 120 else text[:117] + "..."
-    if column in ("final", "best"):
+    if column in ("final", "best", "test"):
         return f"{value:.4f}"
     if column == "wall_time_s":
         return f"{value:.1f}"

@@ -25,6 +25,10 @@ The contract, in one place:
 - ``derived(means) -> dict[str, float]``: optional; metrics computed from the aggregated
   means, such as a perplexity from the mean loss.
 - ``monitor`` / ``monitor_mode``: optional class attributes.
+- ``check(model, batch)``: optional; called once on a batch of training samples before the
+  first step, to turn a mistake (labels out of range, say) into a :class:`ConfigError`
+  naming the key to fix, where the step itself would fail obscurely later. It may compare
+  values on the host: it is off the hot path.
 
 Because each returned value is a per-sample mean, the trainer weights it by
 ``batch_size(batch)``: gradient accumulation, uneven last batches and validation sharded over
@@ -71,6 +75,9 @@ class Task:
         """Metrics computed from the aggregated means (none by default)."""
         return {}
 
+    def check(self, model: nn.Module, batch: Any) -> None:
+        """Checks of one batch of training samples before the first step (none by default)."""
+
 
 def first_tensor(batch: Any) -> Optional[torch.Tensor]:
     """The first tensor in a nesting of tuples, lists and dicts (dicts in insertion order)."""
@@ -112,8 +119,27 @@ class Classification(Task):
         x, y = _pair(batch, "classification")
         logits = _output(model(x), "classification").float()
         loss = F.cross_entropy(logits, y)
-        acc = (logits.detach().argmax(1) == y).float().mean()
+        # float64: k/n exact to 1e-16, so that summing n * acc over batches recounts k.
+        acc = (logits.detach().argmax(1) == y).double().mean()
         return {"loss": loss, "acc": acc}
+
+    def check(self, model: nn.Module, batch: Any) -> None:
+        """Integer labels within the classes the model outputs."""
+        x, y = _pair(batch, "classification")
+        if y.is_floating_point() or y.is_complex():
+            raise ConfigError(
+                f"task=classification needs integer class labels, but the data gives {y.dtype} "
+                "labels. For real-valued targets use task=regression; for classes, have the "
+                "dataset return labels as integers (torch.long)"
+            )
+        classes = _output(model(x), "classification").shape[-1]
+        low, high = int(y.min()), int(y.max())
+        if low < 0 or high >= classes:
+            raise ConfigError(
+                f"task=classification: the data has labels from {low} to {high}, but the model "
+                f"outputs {classes} classes (data.num_classes). Set data.num_classes="
+                f"{max(high + 1, classes)} (labels must lie in 0..num_classes-1)"
+            )
 
 
 class Regression(Task):
@@ -157,7 +183,7 @@ class LanguageModel(Task):
                 "it must return logits of shape (batch, time, vocabulary), e.g. model=gpt"
             )
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        acc = (logits.detach().argmax(-1) == y).float().mean()
+        acc = (logits.detach().argmax(-1) == y).double().mean()
         return {"loss": loss, "acc": acc}
 
     def derived(self, means: Mapping[str, float]) -> dict[str, float]:

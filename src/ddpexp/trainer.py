@@ -27,16 +27,21 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from ddpexp import checkpoint as ckpt_io
+from ddpexp import pruning
 from ddpexp.config import Strategy, TrainerConfig, trainer_config
 from ddpexp.data import DataSource, ResumableDistributedSampler
 from ddpexp.dist import DistContext, derive_seed, rng_state, seed_everything, set_rng_state
 from ddpexp.errors import ConfigError
 from ddpexp.signals import StopRequested
 from ddpexp.task import Task
+from ddpexp.watchdog import (BACKWARD, CHECKPOINT, DATA, FORWARD, OPTIMIZER, VALIDATION,
+                             heartbeat_from_env)
 
 log = logging.getLogger("ddpexp")
 
 METRICS_FILE = "metrics.json"
+# Training samples run through the task's checks before the first step.
+PROBE_SAMPLES = 64
 CHECKPOINT_FORMAT = 2
 # Model keys that a data source may only know once it has read its files (the classes of an
 # image folder, the vocabulary of a text): left null by the config, filled in after load().
@@ -64,6 +69,8 @@ class Trainer:
         hparams: Optional[dict] = None,
     ):
         self.t, self.ctx, self.run_dir = cfg, ctx, Path(run_dir)
+        # Where this rank is, for the launching process's stall watchdog (a no-op without one).
+        self.beat = heartbeat_from_env(ctx.local_rank, ctx.restart, ctx.rank)
         self.task, self.data, self.seed = task, data, seed
         self.config = config or {}
         self.hparams = hparams or {}
@@ -73,6 +80,9 @@ class Trainer:
         self.monitor_mode = cfg.monitor_mode.value if cfg.monitor_mode else task.monitor_mode
         self.stop = StopRequested()
         self.stopping = False  # the stop that all ranks agreed on
+        # An optuna_async trial: rank 0 reports each validation, every rank follows its answer.
+        self.prunable = pruning.in_trial()
+        self.reporter = pruning.from_env() if ctx.is_main else None
         self.tb = None
         self.bar = None
         self._build_loaders(datasets)
@@ -95,6 +105,7 @@ class Trainer:
                 f"data._target_={config['data']['_target_']}: load() must return (train, val) "
                 "or (train, val, test) datasets"
             )
+        _check_sample_shape(config["data"], datasets[0])
         if config["data"].get("num_classes") is None and getattr(data, "num_classes", None):
             config["data"]["num_classes"] = data.num_classes
         for key, attr in _FROM_DATA.items():
@@ -140,6 +151,12 @@ class Trainer:
 
     def _wrap_model(self, model: nn.Module) -> None:
         t = self.t
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ConfigError(
+                f"model._target_ built a {type(model).__name__} without trainable parameters: "
+                "there is nothing to train. Give the model parameters (nn.Parameter, layers "
+                "such as nn.Linear) that require grad"
+            )
         self.memory_format = torch.channels_last if t.channels_last else torch.preserve_format
         model.to(self.device, memory_format=self.memory_format)
         if t.sync_batchnorm:
@@ -155,7 +172,8 @@ class Trainer:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             ids = [self.device.index] if self.device.type == "cuda" else None
-            self.model: nn.Module = DDP(model, device_ids=ids)
+            self.model: nn.Module = DDP(model, device_ids=ids,
+                                        find_unused_parameters=t.find_unused_parameters)
         elif t.strategy is Strategy.dp and torch.cuda.device_count() > 1:
             self.model = nn.DataParallel(model)
         else:
@@ -188,6 +206,7 @@ class Trainer:
         self.metrics: dict[str, float] = {}
         self.history: list[dict] = []
         self.status = "running"
+        self.test_metrics: dict = {}  # test/<name> of best.pt and its epoch, once tested
         self.started = time.time()
         # Per-name sums (weighted by samples) of the training metrics not yet logged.
         self._train_names: Optional[list[str]] = None
@@ -196,6 +215,8 @@ class Trainer:
         self._last_log_time = time.perf_counter()
         self._grad_norm: Optional[torch.Tensor] = None
         self._first_step_pending = True
+        self.diverged: Optional[dict] = None  # {"step", "epoch", "loss"} once agreed
+        self._last_saved_step: Optional[int] = None
 
     def _check_task(self) -> list[str]:
         """Run the task's validation step on two validation samples before training, so that
@@ -203,6 +224,7 @@ class Trainer:
         does not return, fail in seconds with a message instead of after an epoch."""
         if len(self.val_ds) == 0:
             raise ConfigError("the validation split is empty; give the data a larger val share")
+        self._check_batch()
         probe = self._to_device(default_collate([self.val_ds[i] for i in range(min(2, len(self.val_ds)))]))
         with torch.random.fork_rng(devices=[]), torch.no_grad(), self._autocast():
             self.module.eval()
@@ -216,6 +238,25 @@ class Trainer:
                 f"({type(self.task).__name__}); it returns {', '.join(returned)}"
             )
         return names
+
+    def _check_batch(self) -> None:
+        """The task's own checks on a batch of the first training samples, and a model that
+        cannot take the data's batches told as such, before the first step."""
+        n = min(PROBE_SAMPLES, len(self.train_sampler.dataset))
+        dataset = self.train_sampler.dataset
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), self._autocast():
+            probe = self._to_device(default_collate([dataset[i] for i in range(n)]))
+            self.module.eval()
+            try:
+                self.task.check(self.module, probe)
+                self.task.training_step(self.module, probe)
+            except (RuntimeError, IndexError) as exc:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise ConfigError(
+                    f"the model ({type(self.module).__name__}) cannot take a batch of the data "
+                    f"with task {type(self.task).__name__}: {first}. Check that data.shape and "
+                    "data.num_classes match the data, and the model's keys match both"
+                ) from None
 
     # ------------------------------------------------------------------ the run
     def fit(self, resume_from: Optional[Path] = None) -> dict:
@@ -231,8 +272,11 @@ class Trainer:
             finally:
                 if self.bar is not None:
                     self.bar.close()
+                self.beat.close()
         if self.status == "running":
             self.status = "completed"
+        if self.t.test and self.status in ("completed", "early_stopped"):
+            self._test()
         result = self._result()
         if self.ctx.is_main:
             write_metrics(self.run_dir, result)
@@ -245,15 +289,24 @@ class Trainer:
         while self.epoch < self.t.max_epochs and not self._steps_done():
             epoch_start = time.perf_counter()
             complete = self._train_epoch()
+            if self.diverged:
+                self._diverge()
+                return
             if self.stopping:
                 self._interrupt()
                 return
             val = self.evaluate(self.val_loader, "val")
+            if self.diverged:  # a non-finite loss since the last log step
+                self._diverge()
+                return
             if self.stopping:  # a signal arrived during the last steps or the validation
                 self._end_epoch(val, time.perf_counter() - epoch_start, complete)
                 self._interrupt(saved=True)
                 return
             self._end_epoch(val, time.perf_counter() - epoch_start, complete)
+            if self.diverged:  # the weights themselves went non-finite
+                self._diverge()
+                return
             if self.status != "running":
                 return
 
@@ -276,12 +329,21 @@ class Trainer:
             self.bar.update(self.batch)
             self.bar.set_description(f"epoch {self.epoch}")
         group_end = 0
-        for i, batch in enumerate(self.train_loader, start=self.batch):
+        for i, batch in enumerate(self._fetching(self.train_loader), start=self.batch):
             if i >= group_end:  # the first micro-batch of an optimizer step
                 group_end = min(i + accumulate, self.batches_per_epoch)
                 group_samples = min(self.rank_train_samples - i * bs, (group_end - i) * bs)
             last_micro = i + 1 == group_end
-            self._run_batch(batch, last_micro, group_samples)
+            try:
+                self._run_batch(batch, last_micro, group_samples)
+            except RuntimeError as exc:
+                if "find_unused_parameters" not in str(exc):
+                    raise
+                raise ConfigError(
+                    "some of the model's parameters take no part in the loss, which DDP refuses "
+                    "by default. Set trainer.find_unused_parameters=true (or use every "
+                    "parameter in forward)"
+                ) from None
             if self.bar is not None:
                 self.bar.update(1)
             if not last_micro:
@@ -293,16 +355,30 @@ class Trainer:
             if self._first_step_pending:
                 self._log_first_step()
             if log_now:
-                self._log_step()  # also agrees on self.stopping across ranks
+                self._log_step()  # also agrees on self.stopping and divergence across ranks
             elif self.ctx.world_size == 1 and self.stop:
                 self.stopping = True  # nobody to agree with: stop at this step
-            if self.stopping or self._steps_done():
+            if self.stopping or self.diverged or self._steps_done():
                 return self.batch >= self.batches_per_epoch
             every = self.t.ckpt_every_steps
             if every and self.step % every == 0 and self.batch < self.batches_per_epoch:
+                self._reduce()  # agree on divergence first: never checkpoint NaN weights
+                if self.diverged:
+                    return False
                 self._save(best=False)
         self.batch = self.batches_per_epoch
         return True
+
+    def _fetching(self, loader: Any):
+        """``loader``'s batches, marking the data phase while each is fetched."""
+        it = iter(loader)
+        while True:
+            self.beat.mark(DATA, self.step)
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            yield batch
 
     def _autocast(self):
         if self.amp_dtype is None:
@@ -334,8 +410,10 @@ class Trainer:
         n = self.task.batch_size(batch)
         sync = last_micro or not isinstance(self.model, nn.parallel.DistributedDataParallel)
         with contextlib.nullcontext() if sync else self.model.no_sync():
+            self.beat.mark(FORWARD, self.step)
             with self._autocast():
                 out = self.task.training_step(self.forward, batch)
+            self.beat.mark(BACKWARD, self.step)
             self.scaler.scale(out["loss"] * (n / group_samples)).backward()
         self._accumulate(out, n)
 
@@ -346,11 +424,12 @@ class Trainer:
         if self._train_sums is None:
             self._train_sums = torch.zeros(len(self._train_names), dtype=torch.float64,
                                            device=self.device)
-        values = torch.stack([out[k].detach().float() for k in self._train_names])
+        values = torch.stack([out[k].detach().double() for k in self._train_names])
         self._train_sums.add_(values, alpha=n)
         self._seen += n
 
     def _optimizer_step(self, log_now: bool) -> None:
+        self.beat.mark(OPTIMIZER, self.step)
         clip = self.t.grad_clip
         if clip is not None or log_now:
             self.scaler.unscale_(self.optimizer)
@@ -376,15 +455,21 @@ class Trainer:
             self.tb.scalars(self.step, {"time/first_step_s": time.time() - self.started})
 
     def _reduce(self, *values: torch.Tensor | float) -> list[float]:
-        """Sum scalars over all ranks in one collective (the stop flag rides along)."""
+        """Sum scalars over all ranks in one collective. The stop flag and the count of
+        non-finite training metrics not yet logged ride along, so that all ranks agree on a
+        stop or a divergence where they already synchronise (log steps, validation)."""
+        pending = self._train_sums if self._train_sums is not None else torch.zeros(1, device=self.device)
+        nonfinite = (~torch.isfinite(pending)).sum()
         parts = [torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(-1)
-                 for v in (*values, float(bool(self.stop)))]
+                 for v in (*values, nonfinite, float(bool(self.stop)))]
         stats = torch.cat(parts)
         if self.ctx.world_size > 1:
             dist.all_reduce(stats)
-        *sums, stop = stats.tolist()
+        *sums, nonfinite_count, stop = stats.tolist()
         if stop:
             self.stopping = True
+        if nonfinite_count and self.diverged is None:
+            self._note_divergence()
         return sums
 
     def _means(self, names: list[str], sums: Sequence[float], count: float, prefix: str) -> dict[str, float]:
@@ -414,11 +499,44 @@ class Trainer:
         if self.bar is not None and "train/loss" in values:
             self.bar.set_postfix(loss=f"{values['train/loss']:.4f}", refresh=False)
 
+    def _note_divergence(self) -> None:
+        """Remember where the training loss stopped being finite (this rank's own value, or
+        the other ranks' when only theirs went)."""
+        loss = None
+        if self._train_sums is not None and self._train_names and "loss" in self._train_names:
+            loss = float(self._train_sums[self._train_names.index("loss")])
+        self.diverged = {"step": self.step, "epoch": self.epoch,
+                         "loss": loss if loss is not None and not math.isfinite(loss) else None}
+
+    def _diverge(self) -> None:
+        """Stop a run whose training loss is NaN or infinite; nothing is saved (last.pt and
+        best.pt keep the last finite weights)."""
+        self.status = "diverged"
+        if self.ctx.is_main:
+            log.warning("epoch %d  step %d: the training loss is not finite; stopping",
+                        self.epoch, self.step)
+
+    def divergence_message(self) -> str:
+        """What happened and what to try, for the log and the run's failure."""
+        d = self.diverged or {}
+        what = {None: "NaN or infinite"}.get(d.get("loss"), str(d.get("loss")).replace("nan", "NaN"))
+        lr = self.optimizer.param_groups[0]["lr"]
+        saved = (f"checkpoints/last.pt keeps the last finite weights (step {self._last_saved_step})"
+                 if self._last_saved_step is not None else "no checkpoint had been written yet")
+        fixes = f"a smaller optimizer.lr (the last step used {lr:g}) or trainer.grad_clip=1.0"
+        if str(self.t.precision) != "32":
+            fixes += ", or trainer.precision=32"
+        return (
+            f"training diverged: the training loss became {what} by step {d.get('step')} "
+            f"(epoch {d.get('epoch')}), so the run was stopped; {saved}. Try {fixes}"
+        )
+
     @torch.no_grad()
     def evaluate(self, loader: Any, prefix: str = "val") -> dict[str, float]:
         """The task's validation metrics over the whole dataset behind ``loader`` (this rank's
         shard of it, from :meth:`eval_loader`), each sample counted once across ranks, as
         ``prefix/<name>``. The unwrapped model is used, so no collective runs per batch."""
+        self.beat.mark(VALIDATION, self.step)
         self._sync_buffers()
         self.module.eval()
         names = self.val_names
@@ -429,10 +547,61 @@ class Trainer:
             with self._autocast():
                 out = self.task.validation_step(self.module, batch)
             n = self.task.batch_size(batch)
-            sums.add_(torch.stack([out[k].detach().float() for k in names]), alpha=n)
+            sums.add_(torch.stack([out[k].detach().double() for k in names]), alpha=n)
             count += n
         *totals, count = self._reduce(sums, count)
         return self._means(names, totals, count, prefix)
+
+    def _test(self) -> None:
+        """Evaluate ``best.pt`` (the monitored best, not the last weights) on the test split:
+        ``test/<name>`` in metrics.json, TensorBoard and the log."""
+        if self.test_ds is None or len(self.test_ds) == 0:
+            if self.ctx.is_main:
+                log.info("no test split in data=%s: test skipped", type(self.data).__name__)
+            return
+        best = self.ckpt_dir / ckpt_io.BEST
+        if self.ctx.is_main and not best.is_file():
+            log.warning("%s does not exist: test skipped", best)
+        # The trainer keeps its last weights after fit(); best.pt's are only borrowed.
+        last = {k: v.to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+        result = self.evaluate_checkpoint(best, "test")
+        self.module.load_state_dict(last)
+        if result is None:
+            return
+        values = result["metrics"]
+        self.test_metrics = {**values, "epoch": result["epoch"]}
+        if self.ctx.is_main:
+            if self.tb is not None:
+                self.tb.scalars(self.step, values)
+            shown = "  ".join(f"{k} {v:.4f}" for k, v in values.items())
+            log.info("test (best.pt, epoch %d, %d samples)  %s", result["epoch"],
+                     result["samples"], shown)
+
+    def evaluate_checkpoint(self, path: Path, split: str = "test") -> Optional[dict]:
+        """The task's metrics of checkpoint ``path``'s weights on ``split`` (``test`` or
+        ``val``), with every rank, each sample counted once: ``{"metrics": {split/<name>:
+        ..}, "epoch": the epoch those weights ended, "samples": n}``, or ``None`` where rank 0
+        finds no such file. Rank 0 reads the file and broadcasts the weights, so ranks on
+        other nodes need no shared file system. Every rank must call it."""
+        dataset = {"test": self.test_ds, "val": self.val_ds}[split]
+        if dataset is None or len(dataset) == 0:
+            raise ConfigError(f"data={type(self.data).__name__} has no {split} split; "
+                              "evaluate split=val, or give the data a test split")
+        epoch = torch.tensor([-1], dtype=torch.long, device=self.device)
+        if self.ctx.is_main and Path(path).is_file():
+            state = ckpt_io.load(path, map_location=self.device)
+            self.module.load_state_dict(state["model"])
+            # The epoch whose weights these are: the last validated one when it was saved.
+            history = state.get("history") or [{"epoch": max(0, state.get("epoch", 1) - 1)}]
+            epoch.fill_(int(history[-1]["epoch"]))
+        if self.ctx.world_size > 1:
+            dist.broadcast(epoch, src=0)
+            for tensor in self.module.state_dict().values():
+                dist.broadcast(tensor, src=0)
+        if int(epoch) < 0:
+            return None
+        values = self.evaluate(self.eval_loader(dataset), split)
+        return {"metrics": values, "epoch": int(epoch), "samples": len(dataset)}
 
     def _sync_buffers(self) -> None:
         """Give every rank rank 0's buffers (BatchNorm statistics) before evaluating, so all
@@ -454,11 +623,16 @@ class Trainer:
             shown = "  ".join(f"{k} {v:.4f}" for k, v in val.items())
             log.info("epoch %d  step %d  %s%s  (%.1fs)", self.epoch, self.step, shown,
                      "  *best*" if improved else "", epoch_time)
+        if self.prunable and self._pruned(val):
+            self.status = "pruned"
+            if self.ctx.is_main:
+                log.info("pruned by the search after epoch %d (%s %.4f)", self.epoch,
+                         self.monitor, val[self.monitor])
         if complete:
             self.epoch += 1
             self.batch = 0
         patience = self.t.early_stop_patience
-        if patience is not None and self.bad_epochs >= patience:
+        if patience is not None and self.bad_epochs >= patience and self.status == "running":
             self.status = "early_stopped"
             if self.ctx.is_main:
                 log.info("early stop: %s did not improve for %d epochs", self.monitor, patience)
@@ -466,8 +640,21 @@ class Trainer:
         if self.ctx.is_main:
             write_metrics(self.run_dir, self._result())
 
+    def _pruned(self, val: dict[str, float]) -> bool:
+        """Rank 0 reports the monitored value to the trial and asks its pruner; the answer
+        reaches every rank in one small broadcast per epoch."""
+        flag = torch.zeros(1, dtype=torch.int32, device=self.device)
+        if self.reporter is not None:
+            flag[0] = int(self.reporter.should_prune(self.epoch, float(val[self.monitor])))
+        if self.ctx.world_size > 1:
+            dist.broadcast(flag, src=0)
+        return bool(flag.item())
+
     def _update_best(self, val: dict[str, float]) -> bool:
         value = val[self.monitor]
+        if not math.isfinite(value):
+            self.bad_epochs += 1
+            return False
         better = self.best_value is None or (
             value > self.best_value if self.monitor_mode == "max" else value < self.best_value
         )
@@ -572,8 +759,16 @@ class Trainer:
             )
 
     def _save(self, best: bool) -> None:
-        """Every rank contributes its state; global rank 0 writes last.pt (and best.pt)."""
+        """Every rank contributes its state; global rank 0 writes last.pt (and best.pt).
+        Non-finite weights are never written: every rank holds the same weights, so every
+        rank reaches the same verdict without a collective, and the run stops as diverged."""
+        self.beat.mark(CHECKPOINT, self.step)
+        if not all(bool(torch.isfinite(p).all()) for p in self.module.parameters()):
+            if self.diverged is None:
+                self.diverged = {"step": self.step, "epoch": self.epoch, "loss": None}
+            return
         state = self.state_dict()
+        self._last_saved_step = self.step
         if state is None:
             return
         last = self.ckpt_dir / ckpt_io.LAST
@@ -583,13 +778,21 @@ class Trainer:
 
     def _load(self, path: Path) -> None:
         state = ckpt_io.load(path, map_location=self.device)
+        differs = _model_difference(self.module.state_dict(), state["model"])
+        if differs:
+            raise ConfigError(
+                f"checkpoint {path} does not fit this run's model: {differs}. Resume with the "
+                "model config the run was started with (its .hydra/config.yaml)"
+            )
         try:
             self.load_state_dict(state)
         except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+            text = " ".join(str(exc).split())
             raise ConfigError(
-                f"checkpoint {path} does not fit this run's model/optimizer ({str(exc).splitlines()[0]}); "
+                f"checkpoint {path} does not fit this run's model/optimizer ({text[:300]}); "
                 "resume with the config the run was started with"
             ) from None
+        self._last_saved_step = self.step
         if self.ctx.is_main:
             log.info("resumed from %s at epoch %d, batch %d, step %d", path, self.epoch, self.batch, self.step)
 
@@ -625,7 +828,48 @@ class Trainer:
             "world_size": self.ctx.world_size,
             "wall_time_s": round(time.time() - self.started, 3),
             **({"stopped_by": self.stop.name} if self.status == "interrupted" and self.stop else {}),
+            **({"test": self.test_metrics} if self.test_metrics else {}),
+            **({"diverged_at_step": self.diverged["step"], "error": self.divergence_message()}
+               if self.status == "diverged" and self.diverged else {}),
         }
+
+
+def _model_difference(mine: Mapping[str, torch.Tensor], saved: Mapping[str, Any], show: int = 4) -> str:
+    """How a checkpoint's weights differ from the model's: keys only one side has and
+    tensors of other shapes (a few of each), or "" when they fit."""
+    def some(names: list[str]) -> str:
+        return ", ".join(names[:show]) + (f" and {len(names) - show} more" if len(names) > show else "")
+
+    parts = []
+    missing = [k for k in mine if k not in saved]
+    extra = [k for k in saved if k not in mine]
+    shapes = [f"{k} {list(saved[k].shape)} in the checkpoint vs {list(v.shape)} here"
+              for k, v in mine.items()
+              if k in saved and isinstance(saved[k], torch.Tensor) and saved[k].shape != v.shape]
+    if missing:
+        parts.append(f"the checkpoint lacks {some(missing)}")
+    if extra:
+        parts.append(f"the model has no {some(extra)}")
+    if shapes:
+        parts.append("shapes differ: " + some(shapes))
+    return "; ".join(parts)
+
+
+def _check_sample_shape(data_cfg: dict, train: Dataset) -> None:
+    """``data.shape`` is what the models read their input size from: it must be the shape
+    of the data's samples (where a sample is an (input tensor, target) pair)."""
+    shape = data_cfg.get("shape")
+    if not isinstance(shape, (list, tuple)) or len(train) == 0:
+        return
+    sample = train[0]
+    if not (isinstance(sample, (tuple, list)) and sample and isinstance(sample[0], torch.Tensor)):
+        return
+    actual = list(sample[0].shape)
+    if actual != list(shape):
+        raise ConfigError(
+            f"data.shape={list(shape)} but the samples of data {data_cfg.get('_target_')} have "
+            f"shape {actual}; set data.shape={actual} (the models read their input size from it)"
+        )
 
 
 def _metric_names(out: Any, task: str, method: str) -> list[str]:
@@ -657,8 +901,27 @@ def _schedule_progress(state: dict) -> dict:
 
 
 def write_metrics(run_dir: Path, result: dict) -> None:
-    """Atomically replace ``run_dir/metrics.json``."""
+    """Atomically replace ``run_dir/metrics.json``. NaN and infinite values are written as
+    ``null``: JSON has no such numbers, and a bare ``NaN`` breaks strict readers."""
     path = Path(run_dir) / METRICS_FILE
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(result, indent=2, default=float) + "\n")
-    os.replace(tmp, path)
+    text = json.dumps(_finite(result), indent=2, default=float, allow_nan=False)
+    try:
+        tmp.write_text(text + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float (at any depth) replaced by None."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value

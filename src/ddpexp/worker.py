@@ -33,6 +33,9 @@ class WorkerPayload:
     resume_from: Optional[str] = None
     hparams: dict = field(default_factory=dict)
     in_process: bool = False
+    # ddpexp.eval: evaluate this checkpoint on this split instead of training.
+    eval_checkpoint: Optional[str] = None
+    eval_split: str = "test"
 
 
 def setup_logging(rank: int, log_file: str) -> None:
@@ -64,7 +67,8 @@ def set_threads(local_world_size: int) -> None:
 
 @record
 def run_worker(payload: WorkerPayload) -> Optional[dict]:
-    """Train as one rank; global rank 0 returns the run's metrics, the others ``None``."""
+    """Train (or, for ddpexp.eval, evaluate a checkpoint) as one rank; global rank 0 returns
+    the run's metrics, the others ``None``."""
     import torch.distributed as dist
 
     from ddpexp import dist as ddist
@@ -88,10 +92,19 @@ def run_worker(payload: WorkerPayload) -> Optional[dict]:
                              force=trainer_cfg["strategy"] == "ddp")
     try:
         trainer = Trainer.from_config(cfg, ctx, Path(payload.run_dir), payload.hparams)
-        result = trainer.fit(Path(resume_from) if resume_from else None)
-        interrupted = result["status"] == "interrupted"
+        if payload.eval_checkpoint is not None:
+            result = trainer.evaluate_checkpoint(Path(payload.eval_checkpoint), payload.eval_split)
+            interrupted = False
+        else:
+            result = trainer.fit(Path(resume_from) if resume_from else None)
+            interrupted = result["status"] == "interrupted"
         if interrupted and ctx.world_size > 1:
             dist.barrier()  # rank 0 has written metrics.json: nobody exits before that
+    except OSError as exc:  # an unreadable data.root, a full disk: one message, not errno
+        _log_traceback(payload.log_file, ctx.rank)
+        from ddpexp.failures import explain_os_error
+
+        raise explain_os_error(exc, cfg["data"].get("root"), payload.run_dir) from None
     except Exception:
         _log_traceback(payload.log_file, ctx.rank)
         raise

@@ -39,3 +39,38 @@ class Faulty(nn.Module):
                 if self.mode == "stall":
                     time.sleep(3600)
         return self.net(x)
+
+
+class TupleOut(nn.Module):
+    """A model whose forward returns a tuple (logits, features), as some users' models do."""
+
+    def __init__(self, input_shape, num_classes, **mlp_kwargs):
+        super().__init__()
+        self.net = MLP(input_shape, num_classes, **mlp_kwargs)
+
+    def forward(self, x):
+        out = self.net(x)
+        return out, x
+
+
+class NoParams(nn.Module):
+    """A "model" with nothing to train."""
+
+    def __init__(self, input_shape, num_classes, **kwargs):
+        super().__init__()
+        self.num_classes = num_classes
+
+    def forward(self, x):
+        return x.flatten(1)[:, : self.num_classes]
+
+
+class Unused(nn.Module):
+    """An MLP with a layer its forward never uses: DDP needs find_unused_parameters."""
+
+    def __init__(self, input_shape, num_classes, **mlp_kwargs):
+        super().__init__()
+        self.net = MLP(input_shape, num_classes, **mlp_kwargs)
+        self.spare = nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.net(x)

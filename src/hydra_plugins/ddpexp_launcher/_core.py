@@ -12,6 +12,11 @@ and printed, and each failure is listed with its overrides and cause.
 With ``resume=auto`` and the sweep dir of an earlier sweep, jobs whose dir holds a completed
 ``metrics.json`` are not run again (their stored metric is returned); the others run, and
 ddpexp's ``resume=auto`` continues their last checkpoint.
+
+:class:`Pool` is the non-blocking core: ``start()`` puts a job on a free slice (or says there
+is none), ``wait_any()`` returns the jobs that ended. The batch :func:`launch` that Hydra's
+sweepers call is a loop over it, and so is ddpexp's asynchronous Optuna sweeper, which
+starts a new trial the moment a slot frees.
 """
 
 from __future__ import annotations
@@ -96,6 +101,11 @@ class Slices:
         ids, self.free_gpus = self.free_gpus[:gpus], self.free_gpus[gpus:]
         return cores, ids
 
+    def add_gpus(self, gpu_ids: Sequence[str]) -> None:
+        """Set the GPU pool once it is known (before, no job holds a GPU)."""
+        self.all_gpus = list(gpu_ids)
+        self.free_gpus = list(gpu_ids)
+
     def give_back(self, cores: List[int], ids: List[str]) -> None:
         self.free_cores.append(cores)
         self.free_cores.sort()
@@ -131,6 +141,9 @@ class Job:
     stopping_since: Optional[float] = None
     timed_out: bool = False
     files: List[str] = field(default_factory=list)
+    # Extra environment of the job process (its workers inherit it).
+    env: Dict[str, str] = field(default_factory=dict)
+    ended: float = 0.0
 
     @property
     def label(self) -> str:
@@ -140,36 +153,123 @@ class Job:
 def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
     """Run the jobs as processes, at most ``max_parallel`` at once; return one JobReturn per
     job, in order (a failed job's ``return_value`` raises its exception)."""
-    setup_globals()
-    config = launcher.config
-    configure_log(config.hydra.hydra_logging, config.hydra.verbose)
-    sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    parallel = max(1, int(launcher.max_parallel))
+    sweep_dir = begin(launcher)
     log.info("ddp launcher: %d job(s) in %s, up to %d at once", len(job_overrides), sweep_dir,
-             parallel)
-
-    jobs = [_prepare(launcher, list(o), i, sweep_dir)
+             max(1, int(launcher.max_parallel)))
+    jobs = [prepare(launcher, list(o), i, sweep_dir)
             for i, o in enumerate(job_overrides, start=initial_job_idx)]
-    needs_gpus = any(j.gpus > 0 for j in jobs if j.ret is None)
-    slices = Slices(parallel, _gpu_pool(launcher.gpus) if needs_gpus else [])
-    workdir = Path(tempfile.mkdtemp(prefix="ddp-launcher-"))
-    try:
-        with _StopSignals() as stop:
-            _schedule(launcher, jobs, slices, workdir, stop)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-        configure_log(config.hydra.hydra_logging, config.hydra.verbose)
-    _report(launcher, jobs, sweep_dir)
-    if stop.signal_name:
+    pending = [j for j in jobs if j.ret is None]
+    failed = any(j.ret is not None and j.ret.status == JobStatus.FAILED for j in jobs)
+    with Pool(launcher) as pool:
+        while pending or pool.running:
+            if not pool.stopped and not (launcher.fail_fast and failed):
+                while pending and pool.start(pending[0]):
+                    pending.pop(0)
+            elif not pool.running:
+                break
+            for job in pool.wait_any():
+                failed = failed or job.ret.status == JobStatus.FAILED  # type: ignore[union-attr]
+    reason = (f"not run: the sweep was stopped by {pool.stopped}" if pool.stopped else
+              "not run: an earlier job failed and hydra.launcher.fail_fast=true")
+    for job in pending:
+        job.ret = JobReturn(overrides=job.overrides, cfg=job.config, status=JobStatus.FAILED,
+                            _return_value=JobSkipped(reason))
+    report(launcher, jobs, sweep_dir)
+    if pool.stopped:
         raise SweepInterrupted(
-            f"the sweep was stopped by {stop.signal_name}. To finish it, run the same command "
+            f"the sweep was stopped by {pool.stopped}. To finish it, run the same command "
             f"with: resume=auto hydra.sweep.dir={sweep_dir}"
         )
     return [j.ret for j in jobs]  # type: ignore[misc]
 
 
-def _prepare(launcher: Any, overrides: List[str], idx: int, sweep_dir: Path) -> Job:
+def begin(launcher: Any) -> Path:
+    """Set up Hydra's globals and logging in the sweep process; create and return the
+    sweep dir."""
+    setup_globals()
+    config = launcher.config
+    configure_log(config.hydra.hydra_logging, config.hydra.verbose)
+    sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    return sweep_dir
+
+
+class Pool:
+    """Jobs running on the machine's slices, without blocking the caller: :meth:`start`
+    puts a job on a free slice, :meth:`wait_any` waits for running jobs to end. Inside the
+    ``with`` block SIGTERM/SIGINT stop the sweep (:attr:`stopped` names the signal): running
+    jobs get SIGTERM (they checkpoint), then SIGKILL after ``kill_grace_s``."""
+
+    def __init__(self, launcher: Any) -> None:
+        self.launcher = launcher
+        self.slices = Slices(max(1, int(launcher.max_parallel)), [])
+        self.running: List[Job] = []
+        self._gpus_known = False
+        self._signals = _StopSignals()
+        self._workdir: Optional[Path] = None
+
+    def __enter__(self) -> "Pool":
+        self._workdir = Path(tempfile.mkdtemp(prefix="ddp-launcher-"))
+        self._signals.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            # An exception in the caller: nothing of its jobs may outlive the sweep.
+            for job in self.running:
+                _signal_group(job, signal.SIGKILL)
+            self._signals.__exit__(*exc)
+        finally:
+            if self._workdir is not None:
+                shutil.rmtree(self._workdir, ignore_errors=True)
+            config = self.launcher.config
+            configure_log(config.hydra.hydra_logging, config.hydra.verbose)
+
+    @property
+    def stopped(self) -> Optional[str]:
+        """The name of the signal that stopped the sweep, or None."""
+        return self._signals.signal_name
+
+    @property
+    def free(self) -> int:
+        """Core slices not in use (a job also needs its GPUs free to start)."""
+        return len(self.slices.free_cores)
+
+    def start(self, job: Job) -> bool:
+        """Start ``job`` on a free slice; False (nothing started) when none fits it now."""
+        if job.gpus > 0 and not self._gpus_known:
+            # Only a sweep that asks for GPUs looks for them (and imports torch to count them).
+            self.slices.add_gpus(_gpu_pool(self.launcher.gpus))
+            self._gpus_known = True
+        taken = self.slices.take(job.gpus)
+        if taken is None:
+            return False
+        assert self._workdir is not None, "Pool.start() outside its with block"
+        _start(self.launcher, job, taken, self.slices.split, self._workdir)
+        self.running.append(job)
+        return True
+
+    def wait_any(self) -> List[Job]:
+        """Wait until at least one running job has ended; return those that did, each with
+        its ``ret`` and its slice given back. Time limits and the stop signal are enforced
+        meanwhile. Returns at once (empty) when no job is running."""
+        while self.running:
+            ended = []
+            for job in list(self.running):
+                if job.proc.poll() is not None:  # type: ignore[union-attr]
+                    _finish(job)
+                    self.slices.give_back(*job.slice)  # type: ignore[misc]
+                    self.running.remove(job)
+                    ended.append(job)
+                else:
+                    _enforce_limits(self.launcher, job, self._signals)
+            if ended:
+                return ended
+            time.sleep(POLL_S)
+        return []
+
+
+def prepare(launcher: Any, overrides: List[str], idx: int, sweep_dir: Path) -> Job:
     """Compose the job's config (a bad override fails this job only) and decide whether it
     runs at all (``resume=auto`` and already completed: it does not)."""
     job = Job(idx, overrides)
@@ -231,41 +331,6 @@ def _comparable(overrides: Sequence[str]) -> List[str]:
 
 
 # ------------------------------------------------------------------------------ running
-def _schedule(launcher: Any, jobs: List[Job], slices: Slices, workdir: Path,
-              stop: "_StopSignals") -> None:
-    """Start jobs in order as slices free up; reap them; stop everything on a signal."""
-    pending = [j for j in jobs if j.ret is None]
-    running: List[Job] = []
-    failed = any(j.ret is not None and j.ret.status == JobStatus.FAILED for j in jobs)
-    while pending or running:
-        stop_launching = bool(stop.signal_name) or (launcher.fail_fast and failed)
-        while pending and not stop_launching:
-            taken = slices.take(pending[0].gpus)
-            if taken is None:
-                break
-            job = pending.pop(0)
-            _start(launcher, job, taken, slices.split, workdir)
-            running.append(job)
-        for job in list(running):
-            if job.proc.poll() is not None:  # type: ignore[union-attr]
-                _finish(job)
-                slices.give_back(*job.slice)  # type: ignore[misc]
-                running.remove(job)
-                failed = failed or job.ret.status == JobStatus.FAILED  # type: ignore[union-attr]
-                continue
-            _enforce_limits(launcher, job, stop)
-        if not pending and not running:
-            break
-        if stop_launching and not running:
-            break
-        time.sleep(POLL_S)
-    reason = (f"not run: the sweep was stopped by {stop.signal_name}" if stop.signal_name else
-              "not run: an earlier job failed and hydra.launcher.fail_fast=true")
-    for job in pending:
-        job.ret = JobReturn(overrides=job.overrides, cfg=job.config, status=JobStatus.FAILED,
-                            _return_value=JobSkipped(reason))
-
-
 def _start(launcher: Any, job: Job, taken: tuple, split: bool, workdir: Path) -> None:
     import cloudpickle
 
@@ -280,7 +345,7 @@ def _start(launcher: Any, job: Job, taken: tuple, split: bool, workdir: Path) ->
             "hydra_context": launcher.hydra_context,
             "singleton_state": Singleton.get_state(),
         }, f)
-    env = dict(os.environ)
+    env = {**os.environ, **job.env}
     if split and cores:
         # Workers split these further (ddpexp.worker.set_threads divides the affinity mask).
         for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -334,6 +399,7 @@ def _signal_group(job: Job, sig: int) -> None:
 def _finish(job: Job) -> None:
     """Read the job's JobReturn; a job that died without one gets a FAILED return saying how."""
     code = job.proc.returncode  # type: ignore[union-attr]
+    job.ended = time.time()
     # Workers of a job that died abruptly may outlive it: nothing of a job survives it.
     _signal_group(job, signal.SIGKILL)
     result_path = Path(job.files[1])
@@ -374,6 +440,8 @@ def _finish(job: Job) -> None:
             wrapped.original = exc  # type: ignore[attr-defined]
             ret._return_value = wrapped
     job.ret = ret
+    log.info("\t#%d ended (%s) after %.1f s", job.idx, ret.status.name.lower(),
+             job.ended - job.started)
 
 
 class _StopSignals:
@@ -409,7 +477,7 @@ def _cause(ret: JobReturn) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _report(launcher: Any, jobs: List[Job], sweep_dir: Path) -> None:
+def report(launcher: Any, jobs: List[Job], sweep_dir: Path) -> None:
     """Write and print the sweep's table (every job in the sweep dir so far), then list the
     failures of this launch with their overrides and cause."""
     from ddpexp import report
@@ -426,8 +494,8 @@ def _report(launcher: Any, jobs: List[Job], sweep_dir: Path) -> None:
         if not ok:
             # What the job process knew; metrics.json may say less (a job that failed before
             # training wrote none).
-            if row.status not in ("failed", "interrupted"):
-                row.status = "failed"
+            if row.status not in ("failed", "interrupted", "diverged"):
+                row.status = "not run" if str(cause).startswith("not run") else "failed"
             row.error = row.error or cause
         elif row.status == report.NO_METRICS:  # any Hydra app: the job's own outcome
             row.status = "completed"
@@ -438,7 +506,12 @@ def _report(launcher: Any, jobs: List[Job], sweep_dir: Path) -> None:
         log.info("sweep summary (%s):\n%s", sweep_dir / "summary.csv",
                  report.format_rows(ordered, "text").rstrip())
     failures = [j for j in jobs if j.ret is not None and j.ret.status == JobStatus.FAILED]
+    skipped = [j for j in failures if isinstance(j.ret._return_value, JobSkipped)]  # type: ignore[union-attr]
+    failures = [j for j in failures if j not in skipped]
     if failures:
         lines = [f"  {j.label}\n      " + _cause(j.ret).strip().replace("\n", "\n      ")  # type: ignore[arg-type]
                  for j in failures]
         log.error("%d of %d job(s) failed:\n%s", len(failures), len(jobs), "\n".join(lines))
+    if skipped:
+        log.error("%d of %d job(s) not run (%s)", len(skipped), len(jobs),
+                  _cause(skipped[0].ret).removeprefix("not run: "))  # type: ignore[arg-type]

@@ -22,7 +22,7 @@ class DdpLauncher(Launcher):
         self.gpus = gpus
         self.timeout_s = timeout_s
         self.kill_grace_s = kill_grace_s
-        # Outcomes of every launch() call of this sweep (optuna launches in batches), by
+        # Outcomes of every launch() call of this sweep (some sweepers launch in batches), by
         # job subdir: a job that left no metrics.json still gets its row and cause.
         self.outcomes: dict = {}
         self.config: Optional[DictConfig] = None

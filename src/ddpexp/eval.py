@@ -1,0 +1,198 @@
+"""``python -m ddpexp.eval PATH [overrides]``: evaluate saved checkpoints on a split.
+
+PATH is a run dir (its ``checkpoints/best.pt``), a checkpoint file, or a sweep dir (every
+job's ``best.pt``, one row each). Task, model and data are rebuilt from the resolved config
+stored in the checkpoint, with the overrides on top (``data.root=...``, ``trainer.procs=2``,
+``split=val``; ``split=test`` by default). Evaluation is the trainer's own sharded
+:meth:`~ddpexp.trainer.Trainer.evaluate_checkpoint`, run through the same fan-out as a
+training run (:func:`ddpexp.launch.dispatch`), so each sample counts exactly once whatever
+the number of workers and the numbers match the ``test/<name>`` the run recorded. Each
+evaluation is also written to ``eval-<time>.json`` in its run dir.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from ddpexp import checkpoint as ckpt_io
+from ddpexp.errors import CheckpointError, ConfigError, DdpexpError
+
+SPLITS = ("test", "val")
+USAGE = ("usage: python -m ddpexp.eval PATH [key=value ...]  "
+         "(PATH: a run dir, a checkpoint file or a sweep dir)")
+
+
+def targets(path: Path) -> list[tuple[str, Path, Path]]:
+    """``(name, run dir, checkpoint)`` for each checkpoint ``path`` stands for."""
+    from ddpexp.report import run_dirs
+
+    path = Path(path)
+    if path.is_file():
+        run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+        return [(run_dir.name, run_dir, path)]
+    if not path.is_dir():
+        raise CheckpointError(f"{path} does not exist: give a run dir, a checkpoint file or a sweep dir")
+    own = path / "checkpoints" / ckpt_io.BEST
+    dirs = run_dirs(path)
+    if own.exists() or dirs == [path]:
+        return [(path.name, path, own)]
+    if not dirs:
+        raise CheckpointError(f"{path} holds no run dirs (no .hydra/config.yaml or metrics.json under it)")
+    return [(str(d.relative_to(path)), d, d / "checkpoints" / ckpt_io.BEST) for d in dirs]
+
+
+def apply_overrides(config: dict, overrides: Sequence[str]) -> tuple[dict, str]:
+    """The stored config with ``key=value`` overrides on top, and the split asked for. Keys
+    must exist in the config (``+key=value`` adds one), as on the training command line."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    cfg = OmegaConf.create(copy.deepcopy(config))
+    split = "test"
+    given = set()
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not key=value. {USAGE}")
+        if key == "split":
+            if value not in SPLITS:
+                raise ConfigError(f"split={value} is not one of {', '.join(SPLITS)}")
+            split = value
+            continue
+        add = key.startswith("+")
+        key = key.lstrip("+")
+        if not add and OmegaConf.select(cfg, key, default=KeyError) is KeyError:
+            raise ConfigError(f"{key} is not a key of the run's config; use +{key}={value} to add it")
+        try:
+            OmegaConf.update(cfg, key, OmegaConf.from_dotlist([f"k={value}"]).k, force_add=True)
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"override {item}: {exc}") from None
+        given.add(key)
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    trainer = plain["trainer"]
+    # The stored strategy was resolved for the training run's workers; decide it afresh
+    # for the workers asked for now, and never restart an evaluation.
+    if "trainer.strategy" not in given:
+        trainer["strategy"] = "auto"
+    if "trainer.procs" not in given and "trainer.gpus" in given:
+        trainer["procs"] = None
+    if "trainer.max_restarts" not in given:
+        trainer["max_restarts"] = 0
+    return plain, split
+
+
+def evaluate(run_dir: Path, checkpoint: Path, overrides: Sequence[str] = ()) -> dict:
+    """Evaluate one checkpoint; returns what ``eval-<time>.json`` holds and writes that file
+    into ``run_dir``."""
+    from omegaconf import OmegaConf
+
+    from ddpexp.launch import dispatch, plan_run
+    from ddpexp.worker import WorkerPayload
+
+    if not checkpoint.is_file():
+        raise CheckpointError(
+            f"checkpoint {checkpoint} does not exist (the run saved no best checkpoint); give "
+            "a checkpoint file instead, e.g. its checkpoints/last.pt"
+        )
+    fix = "Evaluate another checkpoint of the run (checkpoints/last.pt or best.pt)."
+    state = ckpt_io.load(checkpoint, fix=fix)
+    if not isinstance(state.get("config"), dict) or "trainer" not in state["config"]:
+        raise CheckpointError(f"checkpoint {checkpoint} holds no run config to rebuild the model from")
+    config, split = apply_overrides(state["config"], overrides)
+    del state
+    plan = plan_run(OmegaConf.create(config["trainer"]))
+    config["trainer"].update(strategy=plan.strategy, procs=plan.procs)
+    payload = WorkerPayload(config=config, run_dir=str(run_dir), log_file=str(run_dir / "eval.log"),
+                            eval_checkpoint=str(checkpoint.absolute()), eval_split=split)
+    result = dispatch(plan, OmegaConf.create(config), payload)
+    if result is None:
+        raise CheckpointError(f"checkpoint {checkpoint} vanished before it was read")
+    record = {
+        "checkpoint": str(checkpoint.absolute()),
+        "split": split,
+        "epoch": result["epoch"],
+        "samples": result["samples"],
+        "world_size": plan.world_size,
+        "overrides": list(overrides),
+        "metrics": result["metrics"],
+    }
+    _write_record(run_dir, record)
+    return record
+
+
+def _write_record(run_dir: Path, record: dict) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = run_dir / f"eval-{stamp}.json"
+    n = 1
+    while path.exists():  # two evaluations in the same second keep both records
+        path, n = run_dir / f"eval-{stamp}-{n}.json", n + 1
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path
+
+
+def format_table(rows: Sequence[tuple[str, Optional[dict], Optional[str]]]) -> str:
+    """Aligned text: one row per ``(name, record or None, error or None)``."""
+    names: list[str] = []
+    for _, record, _ in rows:
+        for k in (record or {}).get("metrics", {}):
+            if k not in names:
+                names.append(k)
+    titles = ["run", "split", "epoch", *names, "samples", "workers", "error"]
+    cells = []
+    for name, record, error in rows:
+        r = record or {}
+        metrics = r.get("metrics", {})
+        cells.append([name, str(r.get("split", "")), str(r.get("epoch", "")),
+                      *(f"{metrics[k]:.4f}" if k in metrics else "" for k in names),
+                      str(r.get("samples", "")), str(r.get("world_size", "")), error or ""])
+    if not any(c[-1] for c in cells):
+        titles, cells = titles[:-1], [c[:-1] for c in cells]
+    widths = [max(len(t), *(len(c[i]) for c in cells)) for i, t in enumerate(titles)]
+    lines = ["  ".join(t.ljust(w) for t, w in zip(titles, widths)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Evaluate, print the table; exit 1 with one message per checkpoint that could not be
+    evaluated (no traceback unless ``HYDRA_FULL_ERROR=1``)."""
+    from ddpexp.config import env_flag
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE + "\n\n" + __doc__.split("\n\n", 1)[1], file=sys.stdout if args else sys.stderr)
+        return 0 if args else 2
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    path, overrides = Path(args[0]), args[1:]
+    rows: list[tuple[str, Optional[dict], Optional[str]]] = []
+    try:
+        found = targets(path)
+    except DdpexpError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    for name, run_dir, checkpoint in found:
+        try:
+            rows.append((name, evaluate(run_dir, checkpoint, overrides), None))
+        except DdpexpError as exc:
+            if env_flag("HYDRA_FULL_ERROR"):
+                raise
+            if len(found) == 1:
+                print(f"error: {exc}", file=sys.stderr)
+                return 1
+            rows.append((name, None, str(exc).splitlines()[0]))
+    sys.stdout.write(format_table(rows))
+    failed = [name for name, record, _ in rows if record is None]
+    if failed:
+        print(f"error: {len(failed)} of {len(rows)} checkpoints could not be evaluated: "
+              f"{', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""What the machine can give a run: memory for its workers, cores, and whether the kernel's
+out-of-memory killer has struck. Read from ``/proc`` and cgroup v2 files, where they exist;
+elsewhere every check passes silently."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from ddpexp.errors import ConfigError
+
+log = logging.getLogger("ddpexp")
+
+
+# What one CPU worker process at least takes (torch, the data, the model); measured at
+# 0.5 GB resident on Linux, part of which the workers share.
+WORKER_MEMORY_BYTES = 300 * 2**20
+
+
+def check_resources(plan: Any, available: Optional[int] = None, cores: Optional[int] = None) -> None:
+    """Refuse a layout whose workers cannot fit in this node's memory (they would thrash,
+    then meet the kernel's out-of-memory killer); warn when they outnumber the cores."""
+    if plan.procs <= 1:
+        return
+    available = memory_available() if available is None else available
+    need = plan.procs * WORKER_MEMORY_BYTES
+    if available is not None and need > available:
+        fit = max(1, available // WORKER_MEMORY_BYTES)
+        raise ConfigError(
+            f"trainer.procs={plan.procs} starts {plan.procs} worker processes, at least "
+            f"{need / 2**30:.1f} GiB of memory at ~{WORKER_MEMORY_BYTES >> 20} MiB each, but "
+            f"{available / 2**30:.1f} GiB is available; use trainer.procs={min(fit, plan.procs - 1)} "
+            "or fewer"
+        )
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if cores and plan.gpus == 0 and plan.procs > cores:
+        log.warning("trainer.procs=%d CPU workers on %d core(s): they will take turns on the cores "
+                    "and train slower than trainer.procs=%d would", plan.procs, cores, cores)
+
+
+def memory_available() -> Optional[int]:
+    """Bytes this process's cgroup and the machine can still give, or None if unknown."""
+    found = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            found.append(int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def oom_kills() -> Optional[int]:
+    """How many processes of this cgroup the kernel's OOM killer has killed (cgroup v2),
+    or None where that is not known."""
+    try:
+        text = Path("/sys/fs/cgroup/memory.events").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill":
+            return int(value)
+    return None

@@ -1,0 +1,1 @@
+"""ddpexp's asynchronous Optuna sweeper plugin: ``hydra/sweeper=optuna_async``."""

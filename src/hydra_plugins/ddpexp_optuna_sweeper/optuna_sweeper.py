@@ -1,0 +1,41 @@
+"""The Hydra ``Sweeper`` class: keeps its config and the launcher, and leaves the search to
+``_search`` inside ``sweep()``, so that importing the plugin (which Hydra does at every start
+of every app) imports neither optuna nor torch."""
+
+from typing import Any, List, Optional
+
+from hydra.core.plugins import Plugins
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig
+
+
+class OptunaAsyncSweeper(Sweeper):
+    """An Optuna search (ask/tell) on ddpexp's ``ddp`` launcher: a new trial starts the
+    moment one of the launcher's ``max_parallel`` slots frees; trials report every epoch to
+    the pruner; the study lives in the sweep dir and resumes with ``resume=auto``."""
+
+    def __init__(self, n_trials: int = 20, direction: Optional[str] = None,
+                 study_name: str = "ddpexp", sampler: Any = None, pruner: Any = None,
+                 params: Optional[Any] = None) -> None:
+        self.n_trials = n_trials
+        self.direction = direction
+        self.study_name = study_name
+        self.sampler = dict(sampler or {})
+        self.pruner = dict(pruner or {})
+        self.params = dict(params or {})
+        self.config: Optional[DictConfig] = None
+        self.hydra_context: Optional[HydraContext] = None
+        self.launcher: Any = None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction,
+              config: DictConfig) -> None:
+        self.config = config
+        self.hydra_context = hydra_context
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config)
+
+    def sweep(self, arguments: List[str]) -> Any:
+        from hydra_plugins.ddpexp_optuna_sweeper import _search
+
+        return _search.run(self, arguments)

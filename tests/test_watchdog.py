@@ -1,0 +1,99 @@
+"""The stall watchdog: heartbeats in shared memory, the stalled rank found, its stack taken,
+every worker gone; first with real processes that mark phases by hand, then a real run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from ddpexp import watchdog as wd
+
+# A "rank" that marks the given phases, then blocks in a function named for the test to find
+# in its stack dump. Local ranks 0 and 1 are global ranks 2 and 3, as on a second node.
+WORKER = textwrap.dedent("""
+    import sys, time
+    from ddpexp.watchdog import heartbeat_from_env
+    beat = heartbeat_from_env(int(sys.argv[1]), rank=int(sys.argv[1]) + 2)
+    for phase in map(int, sys.argv[2].split(",")):
+        beat.mark(phase, 7)
+
+    def stuck_in_user_code():
+        time.sleep(60)
+
+    print("ready", flush=True)
+    stuck_in_user_code()
+""")
+
+
+def _beat(rank, count, phase, at, restart=0):
+    return wd.Beat(rank=rank, count=count, step=3, phase=phase, time=at, pid=100 + rank,
+                   restart=restart)
+
+
+def test_find_stall_names_the_ranks_behind_once_the_others_waited_long_enough():
+    now = 1000.0
+    beats = [_beat(0, 10, wd.BACKWARD, now - 6), _beat(1, 9, wd.FORWARD, now - 6.5),
+             _beat(2, 10, wd.BACKWARD, now - 7)]
+    assert wd.find_stall(beats, now, stall_s=7) is None  # rank 0 arrived only 6 s ago
+    stall = wd.find_stall(beats, now, stall_s=5)
+    assert [b.rank for b in stall.stalled] == [1] and {b.rank for b in stall.waiting} == {0, 2}
+    text = stall.describe(now, "run/ddpexp.log")
+    assert "rank 1 (pid 101) stalled in forward at step 3: no progress for 6 s" in text
+    assert "(ranks 0, 2 waited 6 s for it in backward" in text and "run/ddpexp.log" in text
+    # All ranks level (a long validation everywhere) is work, not a stall.
+    level = [_beat(0, 5, wd.VALIDATION, now - 100), _beat(1, 5, wd.VALIDATION, now - 100)]
+    assert wd.find_stall(level, now, stall_s=5) is None
+    # Done ranks and slots of an earlier restart round do not count.
+    assert wd.find_stall([_beat(0, 9, wd.DONE, now - 100), _beat(1, 3, wd.DATA, now - 100)],
+                         now, 5) is None
+    old = [_beat(0, 50, wd.BACKWARD, now - 100, restart=0), _beat(1, 2, wd.SETUP, now - 100, restart=1),
+           _beat(0, 2, wd.SETUP, now - 100, restart=1)]
+    assert wd.find_stall(old, now, 5) is None
+
+
+def test_watchdog_dumps_the_stalled_ranks_stack_and_kills_the_workers(tmp_path: Path):
+    log_file = tmp_path / "ddpexp.log"
+    log_file.write_text("")
+    dog = wd.Watchdog(nprocs=2, stall_s=1.0, log_file=str(log_file))
+    procs = []
+    try:
+        with dog:
+            env = dict(os.environ)  # the watchdog put its variables in this process's env
+            assert env[wd.ENV_SLOTS] == dog.path
+            phases = {0: f"{wd.DATA},{wd.FORWARD},{wd.BACKWARD}", 1: f"{wd.DATA},{wd.FORWARD}"}
+            for rank in (0, 1):
+                procs.append(subprocess.Popen([sys.executable, "-c", WORKER, str(rank), phases[rank]],
+                                              env=env, stdout=subprocess.PIPE, text=True))
+            for p in procs:
+                assert p.stdout.readline().strip() == "ready"
+            deadline = time.time() + 20
+            while dog.message is None and time.time() < deadline:
+                time.sleep(0.1)
+            codes = [p.wait(timeout=10) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert wd.ENV_SLOTS not in os.environ and not Path(dog.path).exists()
+    assert dog.message is not None
+    assert "rank 3 (pid %d) stalled in forward at step 7" % procs[1].pid in dog.message
+    assert "(rank 2 waited" in dog.message
+    assert codes == [-9, -9]  # every local worker killed
+    log = log_file.read_text()
+    assert "[rank3] stalled in forward at step 7" in log
+    # faulthandler's dump of rank 1, taken before it was killed.
+    assert "stuck_in_user_code" in log and "most recent call first" in log
+
+
+def test_no_watchdog_means_a_no_op_heartbeat(monkeypatch):
+    monkeypatch.delenv(wd.ENV_SLOTS, raising=False)
+    beat = wd.heartbeat_from_env(0)
+    assert isinstance(beat, wd.NoHeartbeat)
+    beat.mark(wd.FORWARD, 1)
+    beat.close()
