@@ -17,9 +17,10 @@ import json, resource
 import torch
 from ddpexp.data import Synthetic
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-train, val = Synthetic(num_samples=20000, val_samples=16, shape=[3, 32, 32], num_classes=10).load()
+splits = Synthetic(num_samples=20000, val_samples=16, test_samples=16, shape=[3, 32, 32],
+                   num_classes=10).load()
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"grew": (after - before) * 1024, "data": train.x.nbytes + val.x.nbytes}))
+print(json.dumps({"grew": (after - before) * 1024, "data": sum(s.x.nbytes for s in splits)}))
 """
 
 
@@ -34,11 +35,12 @@ def test_synthetic_peak_memory_is_one_copy_of_the_data() -> None:
 
 def test_synthetic_samples_are_prototype_plus_noise() -> None:
     """The in-place build gives exactly the samples of the textbook formula, same seed."""
-    train, val = Synthetic(num_samples=9000, val_samples=64, shape=[2, 3, 3], num_classes=4,
-                           noise=0.5, data_seed=3).load()
+    splits = Synthetic(num_samples=9000, val_samples=64, test_samples=5, shape=[2, 3, 3],
+                       num_classes=4, noise=0.5, data_seed=3).load()
     g = torch.Generator().manual_seed(3)
     prototypes = torch.randn((4, 2, 3, 3), generator=g)
-    for split, n in ((train, 9000), (val, 64)):
+    assert len(splits) == 3
+    for split, n in zip(splits, (9000, 64, 5)):
         y = torch.randint(0, 4, (n,), generator=g)
         x = prototypes[y] + 0.5 * torch.randn((n, 2, 3, 3), generator=g)
         assert torch.equal(split.y, y) and torch.equal(split.x, x)
