@@ -1,43 +1,53 @@
-"""Benchmark ddpexp against a hand-written PyTorch DDP loop (scripts/plain_ddp.py).
+"""Benchmark ddpexp against a PyTorch DDP loop as users write it (scripts/plain_ddp.py).
 
 Each case trains the same model on the same data with the same batch size, world size and
 steps, once through the real CLI (``python -m ddpexp ...``) and once through the plain loop,
-alternating which goes first, for ``--repeats`` rounds; the table quotes medians.
+alternating which goes first, for ``--repeats`` rounds; the table quotes medians and, beside
+each figure, its ratio to the plain loop's from the same run of this script.
 
 Runners: ``ddpexp`` (its defaults: in-memory data is batched by tensor indexing),
 ``ddpexp-dl`` (``data.fast_path=false``: the same DataLoader + DistributedSampler pipeline as
-the plain loop, so the ratio isolates what the framework costs per step) and ``plain``.
+the plain loop, so the ratio isolates what the framework costs per step), ``plain``, and with
+``--peers`` ``lightning`` (scripts/lightning_ddp.py: the same loop as a LightningModule on
+Lightning's DDP strategy, where ``lightning`` or ``pytorch_lightning`` is importable).
 
 Figures, per run:
 
 - samples/s: steady-state global throughput measured inside rank 0, over the same window for
-  both: from the end of optimizer step W (the warm-up, = ddpexp's ``log_every_n_steps``) to the
+  all: from the end of optimizer step W (the warm-up, = ddpexp's ``log_every_n_steps``) to the
   end of the last step. ddpexp's comes from its ``train/samples_per_s`` TensorBoard scalars of
-  the log steps after W (combined as total samples over total time); the plain loop times the
-  same window itself and writes it to a JSON file.
-- wall s: the whole command, from the launch to the exit of every process.
-- peak MiB: the largest memory footprint of the command's process tree, as the sum of the
-  processes' proportional set sizes (PSS, so shared libraries count once), sampled every 0.2 s.
+  the log steps after W (combined as total samples over total time); the plain loop and the
+  Lightning script time the same window themselves and write it to a JSON file.
+- wall s: the whole command, from the launch to the exit of every process (start-up, the
+  end-of-run work and the interpreter exit included).
+- max RSS MiB: the peak resident set of the command's largest process (the kernel's
+  high-water mark, ``ru_maxrss`` of the waited-for process tree: exact, not sampled).
 - first step s: from the launch of the command to the end of the first optimizer step on
   rank 0 (ddpexp: the wall time of its ``time/first_step_s`` TensorBoard event).
 
 Cases: ``overhead`` (small MLP, CIFAR-shaped synthetic data, 2 CPU workers, batch 32),
-``compute`` (convnet, batch 64), ``startup`` (a 1-step run), ``sweep`` (a ``-m`` sweep of
-short runs vs the sum of the same runs done one by one with the plain loop).
+``compute`` (convnet, batch 64), ``startup`` (a 20-step run on 40,000 samples: start-up, data,
+exit and memory), ``sweep`` (a ``-m`` sweep of short runs vs the sum of the same runs done one by
+one with the plain loop). ``--gpu``: one GPU, plain vs ddpexp (vs Lightning with ``--peers``),
+fp32 and bf16, DDP on one rank (NCCL) and DataParallel, ``torch.compile`` on and off;
+``--gpu --dry-run`` runs those cases tiny on the CPU, skipping ``torch.compile``.
 
 The ``search`` case (its own section below) runs the same trials of unequal length through
 the asynchronous Optuna search (``hydra/sweeper=optuna_async``) and through Hydra's basic
 sweeper in batches of ``max_parallel`` (how a batch sweeper such as hydra-optuna-sweeper with
 ``n_jobs = max_parallel`` launches them), and compares slot utilisation and wall time.
 
-    python scripts/bench.py                 # all cases, 3 repeats
+    python scripts/bench.py                 # all CPU cases, 3 repeats
     python scripts/bench.py --quick         # a tiny case of each, 1 repeat (the test runs it)
+    python scripts/bench.py --peers         # with Lightning, where it is installed
+    python scripts/bench.py --gpu --peers   # the GPU cases (scripts/gpu_check.sh runs them)
     python scripts/bench.py --cases search  # the search case only (--quick: 4 short trials)
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -45,7 +55,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,16 +62,19 @@ from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 PLAIN = ROOT / "scripts" / "plain_ddp.py"
+LIGHTNING = ROOT / "scripts" / "lightning_ddp.py"
 
-# Targets of issue 8 (the ratio is ddpexp / plain for samples/s, plain / ddpexp is not used).
-TARGETS = {"overhead": 0.97, "compute": 0.99}
-STARTUP_SLACK_S = 1.5
+# Targets: samples/s ratio ddpexp / plain; a single run's wall time at most this many seconds
+# over the plain loop's; its largest process's peak RSS at most this ratio of the plain loop's.
+TARGETS = {"overhead": 1.0, "compute": 1.0}
+STARTUP_SLACK_S = 0.5
+MEMORY_MAX_RATIO = 1.1
 SWEEP_MAX_RATIO = 1.15
 
 
 @dataclass
 class Case:
-    """One training setup, run identically by both runners."""
+    """One training setup, run identically by every runner."""
 
     name: str
     model: str
@@ -72,30 +84,54 @@ class Case:
     procs: int = 2
     shape: tuple = (3, 32, 32)
     jobs: int = 1  # > 1: a sweep of this many runs (seed=0..jobs-1)
+    samples: Optional[int] = None  # None: exactly the samples the steps use
+    device: str = "cpu"
+    strategy: str = "ddp"  # ddp | dp (one process)
+    precision: str = "32"  # 32 | bf16
+    compile: bool = False
+    throughput: bool = True  # False: a run measured whole (wall, memory), not per step
 
     @property
     def num_samples(self) -> int:
-        # One epoch holds every step, so no epoch boundary (validation, checkpoint) falls
-        # inside the measured window.
-        return self.steps * self.batch_size * self.procs
+        # By default one epoch holds every step, so no epoch boundary (validation,
+        # checkpoint) falls inside the measured window.
+        return self.samples or self.steps * self.batch_size * self.procs
+
+    @property
+    def steady(self) -> bool:
+        """Whether the case measures steady-state throughput (steps after the warm-up)."""
+        return self.throughput and self.jobs == 1 and self.steps > self.warmup
 
     def ddpexp_args(self, dataloader: bool = False) -> list[str]:
         # ++: set the key whether or not data/synthetic.yaml lists it.
         extra = ["++data.fast_path=false"] if dataloader else []
+        if self.device == "cuda":
+            extra += [f"trainer.gpus={self.procs}"]
+        else:
+            extra += [f"trainer.procs={self.procs}"]
+        if self.device == "cuda" or self.strategy == "dp" or self.procs == 1:
+            # The strategy as asked: DDP even on one rank, or DataParallel.
+            extra += [f"trainer.strategy={self.strategy}"]
+        if self.precision != "32":
+            extra += [f"trainer.precision={self.precision}"]
+        if self.compile:
+            extra += ["trainer.compile=true"]
         return extra + [
             "data=synthetic", f"data.shape=[{','.join(map(str, self.shape))}]",
             f"data.num_samples={self.num_samples}", f"data.batch_size={self.batch_size}",
-            f"model={self.model}", f"trainer.procs={self.procs}",
-            f"trainer.max_steps={self.steps}", f"trainer.log_every_n_steps={self.warmup}",
-            "trainer.progress_bar=false",
+            f"model={self.model}", f"trainer.max_steps={self.steps}",
+            f"trainer.log_every_n_steps={self.warmup}", "trainer.progress_bar=false",
         ]
 
     def plain_args(self, seed: int = 0) -> list[str]:
+        """Arguments of scripts/plain_ddp.py (and scripts/lightning_ddp.py, which shares them)."""
         return [
             "--model", self.model, "--shape", *map(str, self.shape),
             "--num-samples", str(self.num_samples), "--batch-size", str(self.batch_size),
             "--procs", str(self.procs), "--steps", str(self.steps),
-            "--warmup", str(self.warmup), "--seed", str(seed),
+            "--warmup", str(self.warmup), "--seed", str(seed), "--device", self.device,
+            "--strategy", self.strategy, "--precision", self.precision,
+            *(["--compile"] if self.compile else []),
         ]
 
 
@@ -104,7 +140,7 @@ class Run:
     """What one command cost."""
 
     wall_s: float
-    peak_mib: float
+    max_rss_mib: float
     samples_per_s: Optional[float] = None
     first_step_s: Optional[float] = None
 
@@ -123,61 +159,37 @@ class Results:
 
 
 # ---------------------------------------------------------------------- running a command
-def _session_pss(sid: int) -> int:
-    """Proportional set size, in bytes, of every live process in session ``sid``: shared
-    pages (torch's libraries, mapped by every worker) are split between the processes that
-    map them, so the sum is the tree's real footprint, unlike a sum of RSS."""
-    total = 0
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[3]) != sid:
-                continue
-            with open(f"/proc/{entry.name}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Pss:"):
-                        total += int(line.split()[1]) * 1024
-                        break
-        except (OSError, IndexError, ValueError):
-            continue
-    return total
-
-
 def run_command(cmd: list[str], cwd: Path, env: dict, timeout: float) -> tuple[float, float, float]:
-    """Run ``cmd`` in its own session; return (launch time, wall s, peak tree PSS MiB).
-    Fails loudly on a non-zero exit, a timeout, or a process left behind."""
-    peak = [0]
-    done = threading.Event()
-    launched = time.time()
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    """Run ``cmd`` in its own session; return (launch time, wall s, max RSS MiB of its
+    largest process). The RSS is the kernel's high-water mark over the process and every
+    descendant it waited for (``wait4``'s ``ru_maxrss``). Fails loudly on a non-zero exit or
+    a timeout."""
+    with tempfile.TemporaryFile("w+") as log:
+        launched = time.time()
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        deadline = start + timeout
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.perf_counter() > deadline:
+                os.killpg(proc.pid, 9)
+                os.wait4(proc.pid, 0)
+                proc.returncode = -9
+                log.seek(0)
+                raise SystemExit(f"timed out after {timeout}s: {' '.join(cmd)}\n{log.read()}")
+            time.sleep(0.01)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode != 0:
+            log.seek(0)
+            raise SystemExit(f"exit {proc.returncode}: {' '.join(cmd)}\n{log.read()}")
+    return launched, wall, usage.ru_maxrss / 1024  # KiB on Linux
 
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], _session_pss(proc.pid))
-            done.wait(0.2)
 
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        out, _ = proc.communicate()
-        raise SystemExit(f"timed out after {timeout}s: {' '.join(cmd)}\n{out}")
-    wall = time.perf_counter() - start
-    done.set()
-    sampler.join()
-    if proc.returncode != 0:
-        raise SystemExit(f"exit {proc.returncode}: {' '.join(cmd)}\n{out}")
-    return launched, wall, peak[0] / 2**20
-
-
-# ---------------------------------------------------------------------- the two runners
+# ---------------------------------------------------------------------- the runners
 def _scalars(tb_dir: Path) -> dict:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -214,12 +226,15 @@ def run_ddpexp(case: Case, work: Path, env: dict, tag: str, timeout: float,
     return run
 
 
-def run_plain(case: Case, work: Path, env: dict, tag: str, timeout: float) -> Run:
+def run_plain(case: Case, work: Path, env: dict, tag: str, timeout: float,
+              script: Path = PLAIN) -> Run:
+    """The plain loop (or, with ``script=LIGHTNING``, the Lightning script): a "sweep" is
+    its runs one by one, their wall times summed."""
     walls, rss, result = [], 0.0, {}
     launched = None
-    for seed in range(case.jobs):  # a "sweep" of the plain loop: the runs one by one
-        out = work / f"plain-{tag}-{seed}.json"
-        cmd = [sys.executable, str(PLAIN), *case.plain_args(seed), "--out", str(out)]
+    for seed in range(case.jobs):
+        out = work / f"{script.stem}-{tag}-{seed}.json"
+        cmd = [sys.executable, str(script), *case.plain_args(seed), "--out", str(out)]
         t0, wall, peak = run_command(cmd, work, env, timeout)
         launched = launched if launched is not None else t0
         walls.append(wall)
@@ -235,12 +250,30 @@ def run_plain(case: Case, work: Path, env: dict, tag: str, timeout: float) -> Ru
 # with data.fast_path=false: the same DataLoader + DistributedSampler pipeline as the plain
 # loop, which isolates what the framework itself costs per step.
 DL = "ddpexp-dl"
+PEER = "lightning"
 
 
-def runners_for(case: Case) -> list[str]:
-    """Throughput cases compare both input pipelines; start-up and sweeps do not depend on it."""
-    steady = case.jobs == 1 and case.steps > case.warmup
-    return ["ddpexp", DL, "plain"] if steady else ["ddpexp", "plain"]
+def lightning_installed() -> bool:
+    """Whether the Lightning peer can run here (``lightning`` or ``pytorch_lightning``)."""
+    return any(importlib.util.find_spec(m) is not None for m in ("lightning", "pytorch_lightning"))
+
+
+def runners_for(case: Case, peers: bool = False) -> list[str]:
+    """The throughput targets' cases compare both input pipelines; the others do not depend
+    on it. Lightning (a peer) runs single runs; it has no DataParallel (removed in 2.0)."""
+    runners = ["ddpexp", DL, "plain"] if case.steady and case.name in TARGETS else ["ddpexp", "plain"]
+    if peers and case.jobs == 1 and case.strategy != "dp":
+        runners.append(PEER)
+    return runners
+
+
+def run_one(runner: str, case: Case, work: Path, env: dict, tag: str, timeout: float) -> Run:
+    """One command of ``runner`` on ``case``."""
+    if runner == "plain":
+        return run_plain(case, work, env, tag, timeout)
+    if runner == PEER:
+        return run_plain(case, work, env, tag, timeout, script=LIGHTNING)
+    return run_ddpexp(case, work, env, tag, timeout, dataloader=runner == DL)
 
 
 # ---------------------------------------------------------------------- the report
@@ -248,37 +281,47 @@ def _fmt(value: Optional[float], digits: int = 2) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
-def table(cases: list[Case], res: Results, repeats: int) -> str:
-    """A markdown table: one row per case and runner, medians of ``repeats`` runs."""
+COLUMNS = ["case", "runner", "samples/s", "speed ratio", "wall s", "wall ratio",
+           "first step s", "max RSS MiB", "memory ratio"]
+
+
+def table(cases: list[Case], res: Results, repeats: int, peers: bool = False) -> str:
+    """A markdown table: one row per case and runner, medians of ``repeats`` runs, and each
+    figure's ratio to the plain loop's (speed: higher is better; wall and memory: lower)."""
     lines = [
-        f"medians of {repeats} run(s) each",
+        f"medians of {repeats} run(s) each; ratios are runner / plain",
         "",
-        "| case | runner | samples/s | ratio | wall s | peak MiB | first step s |",
-        "|---|---|---|---|---|---|---|",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
     ]
     for case in cases:
-        for runner in runners_for(case):
+        for runner in runners_for(case, peers):
             m = lambda attr: res.median(case.name, runner, attr)  # noqa: E731
-            steady = case.jobs == 1 and case.steps > case.warmup
-            ratio = "-"
-            if runner != "plain" and (steady or case.jobs > 1):
-                if case.jobs > 1:  # the sweep: wall time plain/ddpexp is not what is asked
-                    pw = res.median(case.name, "plain", "wall_s")
-                    ratio = f"{m('wall_s') / pw:.3f} (wall)" if pw else "n/a"
-                else:
-                    ps = res.median(case.name, "plain", "samples_per_s")
-                    ds = m("samples_per_s")
-                    ratio = _fmt(ds / ps if ds and ps else None, 3)
-            rate = _fmt(m("samples_per_s"), 0) if steady else "-"
+            p = lambda attr: res.median(case.name, "plain", attr)  # noqa: E731
+
+            def ratio(attr: str) -> str:
+                if runner == "plain":
+                    return "-"
+                mine, theirs = m(attr), p(attr)
+                return _fmt(mine / theirs if mine and theirs else None, 3)
+
+            rate = _fmt(m("samples_per_s"), 0) if case.steady else "-"
             first = "-" if case.jobs > 1 else _fmt(m("first_step_s"))
             label = f"{case.name} ({describe(case)})"
-            lines.append(f"| {label} | {runner} | {rate} | {ratio} | {_fmt(m('wall_s'))} | "
-                         f"{_fmt(m('peak_mib'), 0)} | {first} |")
+            lines.append(
+                f"| {label} | {runner} | {rate} | {ratio('samples_per_s') if case.steady else '-'} | "
+                f"{_fmt(m('wall_s'))} | {ratio('wall_s')} | {first} | "
+                f"{_fmt(m('max_rss_mib'), 0)} | {ratio('max_rss_mib')} |")
     return "\n".join(lines)
 
 
 def describe(case: Case) -> str:
     what = f"{case.model}, batch {case.batch_size}, {case.procs} procs, {case.steps} steps"
+    if case.samples:
+        what += f", {case.samples} samples"
+    if case.name.startswith("gpu"):
+        what += f", {case.device} {case.strategy} {'bf16' if case.precision == 'bf16' else 'fp32'}"
+        what += ", compiled" if case.compile else ""
     return f"{case.jobs} runs of {what}" if case.jobs > 1 else what
 
 
@@ -288,19 +331,23 @@ def verdicts(cases: list[Case], res: Results) -> list[str]:
     for case in cases:
         d = lambda attr: res.median(case.name, "ddpexp", attr)  # noqa: E731
         p = lambda attr: res.median(case.name, "plain", attr)  # noqa: E731
-        dl = res.median(case.name, DL, "samples_per_s")
-        if case.name in TARGETS and dl and p("samples_per_s"):
-            ratio = dl / p("samples_per_s")
+        if case.name in TARGETS and d("samples_per_s") and p("samples_per_s"):
+            ratio = d("samples_per_s") / p("samples_per_s")
             goal = TARGETS[case.name]
-            default = d("samples_per_s") / p("samples_per_s") if d("samples_per_s") else None
-            out.append(f"{case.name}: samples/s ratio, same DataLoader pipeline, {ratio:.3f} "
-                       f"(target >= {goal}): " + ("met" if ratio >= goal else "NOT met")
-                       + f"; with ddpexp's default in-memory loader {_fmt(default, 3)}")
+            dl = res.median(case.name, DL, "samples_per_s")
+            out.append(f"{case.name}: samples/s ratio {ratio:.3f} (target >= {goal}): "
+                       + ("met" if ratio >= goal else "NOT met")
+                       + f"; on the plain loop's DataLoader pipeline "
+                       + _fmt(dl / p("samples_per_s") if dl else None, 3))
         elif case.name == "startup" and d("wall_s") and p("wall_s"):
             extra = d("wall_s") - p("wall_s")
-            out.append(f"startup: 1-step wall time {extra:+.2f} s vs plain "
+            out.append(f"startup: {case.steps}-step wall time {extra:+.2f} s vs plain "
                        f"(target <= +{STARTUP_SLACK_S} s): "
                        + ("met" if extra <= STARTUP_SLACK_S else "NOT met"))
+            mem = d("max_rss_mib") / p("max_rss_mib")
+            out.append(f"memory: largest process {mem:.3f} x the plain loop's "
+                       f"(target <= {MEMORY_MAX_RATIO}): "
+                       + ("met" if mem <= MEMORY_MAX_RATIO else "NOT met"))
         elif case.jobs > 1 and d("wall_s") and p("wall_s"):
             ratio = d("wall_s") / p("wall_s")
             out.append(f"sweep: {case.jobs}-job sweep / sum of {case.jobs} plain runs = "
@@ -413,16 +460,42 @@ def make_cases(quick: bool, only: Optional[list[str]]) -> list[Case]:
         cases = [
             Case("overhead", "mlp", 32, steps=6, warmup=2, **tiny),
             Case("compute", "convnet", 64, steps=6, warmup=2, **tiny),
-            Case("startup", "mlp", 32, steps=1, warmup=1, **tiny),
+            Case("startup", "mlp", 32, steps=2, warmup=1, samples=512, throughput=False, **tiny),
             Case("sweep", "mlp", 32, steps=2, warmup=1, jobs=2, **tiny),
         ]
     else:
         cases = [
             Case("overhead", "mlp", 32, steps=400, warmup=20),
             Case("compute", "convnet", 64, steps=100, warmup=20),
-            Case("startup", "mlp", 32, steps=1, warmup=1),
+            # What a debug run or a sweep of short jobs pays: start-up, data, the end-of-run
+            # validation and checkpoint, exit; and memory, on a data set of 470 MiB per rank.
+            Case("startup", "mlp", 32, steps=20, warmup=10, samples=40_000, throughput=False),
             Case("sweep", "mlp", 32, steps=20, warmup=10, jobs=4),
         ]
+    return _select(cases, only)
+
+
+def gpu_cases(dry_run: bool, only: Optional[list[str]]) -> tuple[list[Case], list[str]]:
+    """The GPU cases, and what was skipped. ``dry_run``: the same cases, tiny, on the CPU
+    (gloo instead of NCCL), without those that need CUDA (``torch.compile``'s GPU code)."""
+    if dry_run:
+        base = dict(device="cpu", procs=1, shape=(3, 8, 8), steps=4, warmup=2)
+    else:
+        base = dict(device="cuda", procs=1, shape=(3, 32, 32), steps=300, warmup=50)
+    cases = [
+        Case("gpu-fp32", "convnet", 256, **base),
+        Case("gpu-bf16", "convnet", 256, precision="bf16", **base),
+        Case("gpu-dp", "convnet", 256, strategy="dp", **base),
+        Case("gpu-compile", "convnet", 256, precision="bf16", compile=True, **base),
+    ]
+    skipped = []
+    if dry_run:
+        skipped = [f"{c.name} (torch.compile needs CUDA here)" for c in cases if c.compile]
+        cases = [c for c in cases if not c.compile]
+    return _select(cases, only), skipped
+
+
+def _select(cases: list[Case], only: Optional[list[str]]) -> list[Case]:
     if only:
         unknown = set(only) - {c.name for c in cases}
         if unknown:
@@ -432,20 +505,46 @@ def make_cases(quick: bool, only: Optional[list[str]]) -> list[Case]:
     return cases
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="ddpexp vs a hand-written DDP loop")
     p.add_argument("--quick", action="store_true", help="tiny cases, 1 repeat (for the test)")
     p.add_argument("--repeats", type=int, default=None, help="rounds (default 3; 1 with --quick)")
     p.add_argument("--cases", nargs="+", default=None,
                    help="a subset of: overhead compute startup sweep search (--quick runs search "
-                        "only when named)")
+                        "only when named; with --gpu: gpu-fp32 gpu-bf16 gpu-dp gpu-compile)")
+    p.add_argument("--peers", action="store_true",
+                   help="add Lightning (scripts/lightning_ddp.py) where it is installed")
+    p.add_argument("--gpu", action="store_true", help="the GPU cases instead of the CPU ones")
+    p.add_argument("--dry-run", action="store_true",
+                   help="with --gpu: run the GPU cases tiny on the CPU, skipping what needs CUDA")
     p.add_argument("--json", default=None, help="also write every run's figures here")
     p.add_argument("--timeout", type=float, default=600, help="seconds per command")
     args = p.parse_args(argv)
-    repeats = args.repeats or (1 if args.quick else 3)
-    with_search = SEARCH in (args.cases or ([] if args.quick else [SEARCH]))
-    others = [c for c in args.cases or [] if c != SEARCH]
-    cases = make_cases(args.quick, others or None) if others or not args.cases else []
+    if args.dry_run and not args.gpu:
+        p.error("--dry-run goes with --gpu")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
+    repeats = args.repeats or (1 if args.quick or args.dry_run else 3)
+    skipped: list[str] = []
+    with_search = False
+    if args.gpu:
+        cases, skipped = gpu_cases(args.dry_run, args.cases)
+        if not args.dry_run:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise SystemExit("--gpu needs CUDA (torch.cuda.is_available() is false here); "
+                                 "--gpu --dry-run runs the GPU cases on the CPU")
+    else:
+        with_search = SEARCH in (args.cases or ([] if args.quick else [SEARCH]))
+        others = [c for c in args.cases or [] if c != SEARCH]
+        cases = make_cases(args.quick, others or None) if others or not args.cases else []
+    peers = args.peers and lightning_installed()
+    if args.peers and not peers:
+        skipped.append("lightning (neither lightning nor pytorch_lightning is importable)")
 
     env = dict(os.environ)
     # Benchmark this checkout, in the workers too, whatever is installed.
@@ -457,25 +556,23 @@ def main(argv: Optional[list[str]] = None) -> None:
         for r in range(repeats):
             for case in cases:
                 # Rotate who goes first, so that a drift in machine load hits every runner.
-                runners = runners_for(case)
+                runners = runners_for(case, peers)
                 shift = r % len(runners)
                 for runner in runners[shift:] + runners[:shift]:
-                    tag = f"{case.name}-{r}"
-                    if runner == "plain":
-                        run = run_plain(case, work, env, tag, args.timeout)
-                    else:
-                        run = run_ddpexp(case, work, env, tag, args.timeout,
-                                         dataloader=runner == DL)
+                    run = run_one(runner, case, work, env, f"{case.name}-{r}", args.timeout)
                     res.add(case.name, runner, run)
                     print(f"[{r + 1}/{repeats}] {case.name:8s} {runner:9s} "
                           f"wall {run.wall_s:6.2f}s  samples/s {_fmt(run.samples_per_s, 0)}  "
-                          f"first step {_fmt(run.first_step_s)}s  peak {run.peak_mib:.0f}MiB",
+                          f"first step {_fmt(run.first_step_s)}s  max RSS {run.max_rss_mib:.0f}MiB",
                           file=sys.stderr, flush=True)
     if cases:
-        print(table(cases, res, repeats))
+        print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        print(table(cases, res, repeats, peers))
         print()
         for line in verdicts(cases, res):
             print(line)
+    for what in skipped:
+        print(f"skipped: {what}")
     if with_search:
         print()
         print(search_bench(args.quick, repeats, env, args.timeout))

@@ -1,11 +1,16 @@
-"""The baseline of ``scripts/bench.py``: a hand-written PyTorch DDP loop, nothing else.
+"""The baseline of ``scripts/bench.py``: a PyTorch DDP loop as users write it, nothing else.
 
-DistributedSampler + DataLoader + DistributedDataParallel + SGD on CPU (gloo), started with
-``torch.multiprocessing`` (spawn, as torch elastic starts ddpexp's workers), on a free loopback
-port. It trains on the same data (ddpexp's ``data=synthetic`` generation, re-written here),
-the same model classes (``ddpexp.models``, so both runs do identical arithmetic), the same
-optimizer settings (ddpexp's ``optimizer=sgd`` defaults) and the same threads per worker as
-ddpexp (``ddpexp.worker.set_threads``: the cores split evenly between the workers).
+``mp.spawn`` the workers, ``init_process_group`` on a free loopback port, a DistributedSampler
++ DataLoader, DistributedDataParallel, SGD, the loop, ``destroy_process_group``, and the
+normal interpreter exit a user's script pays. It trains on the same data (ddpexp's
+``data=synthetic`` generation, re-written here), the same model classes (``ddpexp.models``, so
+both runs do identical arithmetic), the same optimizer settings (ddpexp's ``optimizer=sgd``
+defaults) and the same threads per worker as ddpexp (the cores split evenly between the
+workers).
+
+On a GPU (``--device cuda``): NCCL DDP, one process per GPU, or ``--strategy dp`` (one process,
+``nn.DataParallel``); ``--precision bf16`` autocasts the forward pass and ``--compile`` wraps the
+model in ``torch.compile``, as ddpexp's ``trainer.precision`` and ``trainer.compile`` do.
 
 Rank 0 writes a JSON file with the wall-clock time of the end of the first optimizer step and
 the steady-state throughput: global samples over the rank-0 wall time from the end of step
@@ -18,6 +23,7 @@ the steady-state throughput: global samples over the rank-0 wall time from the e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -31,12 +37,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-classes", type=int, default=10)
     p.add_argument("--num-samples", type=int, default=2048)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--procs", type=int, default=2)
+    p.add_argument("--procs", type=int, default=2, help="processes (one per GPU on cuda)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--warmup", type=int, default=20, help="steps left out of the throughput")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--strategy", choices=("ddp", "dp"), default="ddp")
+    p.add_argument("--precision", choices=("32", "bf16"), default="32")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--out", default=None, help="JSON file rank 0 writes its timings to")
     return p.parse_args(argv)
 
@@ -49,13 +59,16 @@ def free_port() -> int:
 
 
 def synthetic(n: int, shape, num_classes: int, noise: float = 1.0, seed: int = 0):
-    """ddpexp's ``data=synthetic`` training split: class prototypes plus Gaussian noise."""
+    """ddpexp's ``data=synthetic`` training split: class prototypes plus Gaussian noise,
+    built in place in the noise tensor (one copy of the data set in memory)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
     prototypes = torch.randn((num_classes, *shape), generator=g)
     y = torch.randint(0, num_classes, (n,), generator=g)
-    x = prototypes[y] + noise * torch.randn((n, *shape), generator=g)
+    x = torch.randn((n, *shape), generator=g).mul_(noise)
+    for start in range(0, n, 4096):
+        x[start:start + 4096] += prototypes[y[start:start + 4096]]
     return x, y
 
 
@@ -63,33 +76,54 @@ def worker(rank: int, args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
+    from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     from ddpexp.models import MLP, ConvNet
 
+    cuda = args.device == "cuda"
+    ddp = args.strategy == "ddp"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     torch.set_num_threads(max(1, (cores or 1) // args.procs))
-    dist.init_process_group("gloo", rank=rank, world_size=args.procs)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if ddp:
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=args.procs)
     try:
         x, y = synthetic(args.num_samples, args.shape, args.num_classes, seed=args.seed)
         dataset = TensorDataset(x, y)
-        sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed)
-        loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
+        sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed) if ddp else None
+        loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler,
+                            shuffle=not ddp, pin_memory=cuda)
         torch.manual_seed(args.seed)
         cls = MLP if args.model == "mlp" else ConvNet
-        model = DDP(cls(input_shape=args.shape, num_classes=args.num_classes))
+        model = cls(input_shape=args.shape, num_classes=args.num_classes).to(device)
+        if ddp:
+            model = DDP(model, device_ids=[rank] if cuda else None)
+        elif torch.cuda.device_count() > 1:  # as ddpexp: DataParallel only over several GPUs
+            model = nn.DataParallel(model)
+        forward = torch.compile(model) if args.compile else model
         opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+        autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16"
+                    else contextlib.nullcontext())
         model.train()
         step, epoch, first_step_at, t_warm = 0, 0, None, None
         while step < args.steps:
-            sampler.set_epoch(epoch)
+            if sampler is not None:
+                sampler.set_epoch(epoch)
             for xb, yb in loader:
-                loss = F.cross_entropy(model(xb), yb)
+                xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
+                with autocast:
+                    out = forward(xb)
+                loss = F.cross_entropy(out.float(), yb)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
                 step += 1
+                if step in (1, args.warmup, args.steps) and cuda:
+                    torch.cuda.synchronize()  # the timestamps below are for finished steps
                 if step == 1:
                     first_step_at = time.time()
                 if step == args.warmup:
@@ -100,23 +134,29 @@ def worker(rank: int, args: argparse.Namespace) -> None:
         t_end = time.perf_counter()
         if rank == 0 and args.out:
             measured = args.steps - args.warmup
-            rate = (measured * args.batch_size * args.procs / (t_end - t_warm)
+            world = args.procs if ddp else 1
+            rate = (measured * args.batch_size * world / (t_end - t_warm)
                     if t_warm is not None and measured > 0 else None)
             with open(args.out, "w") as f:
                 json.dump({"first_step_at": first_step_at, "samples_per_s": rate,
                            "final_loss": loss.detach().item()}, f)
     finally:
-        dist.destroy_process_group()
+        if ddp:
+            dist.destroy_process_group()
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     import torch.multiprocessing as mp
 
+    if args.strategy == "dp":  # one process drives every GPU
+        args.procs = 1
+        worker(0, args)
+        return
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(free_port())
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # as ddpexp does on one node
-    mp.start_processes(worker, args=(args,), nprocs=args.procs, start_method="spawn")
+    mp.spawn(worker, args=(args,), nprocs=args.procs)
 
 
 if __name__ == "__main__":

@@ -178,8 +178,11 @@ def test_worker_killed_group_restarts_from_last_checkpoint(workdir):
     run_dir = workdir / "outputs" / "restarted"
     proc = start_cli([*args, "trainer.max_restarts=1", f"hydra.run.dir={run_dir}"], workdir)
     wait_for(run_dir / "checkpoints" / "last.pt", proc)
+    # The workers are the CLI process's children (forked on the CPU), bar multiprocessing's
+    # resource tracker.
     workers = [pid for pid in session_pids(proc.pid)
-               if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+               if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(proc.pid)
+               and b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
     assert len(workers) == 2, workers
     os.kill(max(workers), signal.SIGKILL)
     res = finish(proc, 180)

@@ -246,7 +246,11 @@ class Synthetic(DataSource):
 
         def make(n: int) -> InMemory:
             y = torch.randint(0, self.num_classes, (n,), generator=g)
-            x = prototypes[y] + self.noise * torch.randn((n, *self.shape), generator=g)
+            # Built in place in the noise tensor, a chunk at a time: the peak is one copy of
+            # the data set, where `prototypes[y] + noise * randn` held three at once.
+            x = torch.randn((n, *self.shape), generator=g).mul_(self.noise)
+            for start in range(0, n, 4096):
+                x[start : start + 4096] += prototypes[y[start : start + 4096]]
             return InMemory(x, y)
 
         # Drawn in this order, so train and val stay what they were before test existed.
