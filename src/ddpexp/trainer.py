@@ -288,7 +288,7 @@ class Trainer:
             self._load(resume_from)
         if self.ctx.is_main:
             self._open_outputs(resumed=resume_from is not None)
-        with debug_modes(self.t):
+        with debug_modes(self.t), contextlib.closing(self.beat):
             with self.stop:
                 try:
                     self._loop()
@@ -297,11 +297,10 @@ class Trainer:
                         self.bar.close()
                     if self.profiler is not None:
                         self.profiler.close()
-                    self.beat.close()
             if self.status == "running":
                 self.status = "completed"
             if self.t.test and self.status in ("completed", "early_stopped"):
-                self._test()
+                self._test()  # still watched: the test of best.pt runs collectives too
         result = self._result()
         if self.ctx.is_main:
             write_metrics(self.run_dir, result)
