@@ -207,4 +207,4 @@ def test_a_second_sigint_still_leaves_a_status(workdir):
     assert res.returncode != 0 and "Traceback" not in res.stderr
     metrics = read_metrics(run_dir)
     assert metrics["status"] == "interrupted"
-    assert "second SIGINT" in metrics["error"] or metrics.get("stopped_by") == "SIGINT"
+    assert "second SIGINT" in metrics.get("error", "") or metrics.get("stopped_by") == "SIGINT"

@@ -89,15 +89,16 @@ def test_same_seed_same_weights_and_exact_validation(workdir):
 
 
 @pytest.mark.parametrize("mode, cause", [
-    ("raise", "rank 1 (pid"),
-    ("kill", "was killed by SIGKILL"),
+    ("raise", ("rank 1 (pid",)),
+    # The agent may see rank 0's broken connection first; rank 1 is named either way.
+    ("kill", ("was killed by SIGKILL", "rank 1 was killed by a signal")),
 ])
 def test_failing_rank_ends_the_run(workdir, mode, cause):
     started = time.time()
     res = run_cli([*TINY, *DDP2, *faulty(mode)], workdir, env=plugin_env(), expect_ok=False, timeout=90)
     assert res.returncode != 0
     assert time.time() - started < 60
-    assert cause in res.stderr
+    assert any(c in res.stderr for c in cause), res.stderr
     if mode == "raise":
         assert "RuntimeError: injected failure on rank 1" in res.stderr
         assert "Traceback" not in res.stderr  # the traceback is in the run's log instead

@@ -189,7 +189,7 @@ def test_search_keeps_both_slots_busy_prunes_and_survives_a_failed_trial(workdir
     assert len(rows) == 6
     assert (rows["0"]["status"], rows["2"]["status"], rows["3"]["status"]) == \
         ("completed", "failed", "pruned")
-    assert "Invalid learning rate" in rows["2"]["error"]
+    assert "optimizer.lr=-1.0 must be >= 0" in rows["2"]["error"]
     assert "optimizer.lr=-1.0" in rows["2"]["overrides"]
 
     results = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())

@@ -200,13 +200,6 @@ def test_step_schedule_counts_epochs_in_optimizer_steps():
     assert lrs == pytest.approx([1, 1, 1, 0.1, 0.1, 0.1, 0.01, 0.01, 0.01])
 
 
-def test_warmup_longer_than_run_is_refused(workdir):
-    res = run_cli([*SYN, "scheduler=cosine", "scheduler.warmup_steps=50", "trainer.max_steps=4"],
-                  workdir, expect_ok=False)
-    assert res.returncode != 0 and "Traceback" not in res.stderr
-    assert "scheduler.warmup_steps=50" in res.stderr
-
-
 # ---------------------------------------------------------------- gradient clipping
 def test_grad_clip_bounds_the_update(workdir):
     """``train/grad_norm`` is the total norm before clipping (clip_grad_norm_'s return value);

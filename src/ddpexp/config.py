@@ -147,10 +147,13 @@ _CLAIMED: dict[str, str] = {}
 def unique_dir(path: str) -> str:
     """Claim ``path``, or ``path-1``, ``path-2``... if another run got there first.
 
-    ``os.mkdir`` is atomic, so two runs started in the same second never share a dir.
+    ``os.mkdir`` is atomic, so two runs started in the same second never share a dir. The
+    claim is remembered by absolute path: the same relative path from another working
+    directory (several runs in one process) is another dir.
     """
-    if path in _CLAIMED:
-        return _CLAIMED[path]
+    key = str(Path(path).absolute())
+    if key in _CLAIMED:
+        return _CLAIMED[key]
     base = Path(path)
     try:
         base.parent.mkdir(parents=True, exist_ok=True)
@@ -164,14 +167,14 @@ def unique_dir(path: str) -> str:
             continue
         except OSError as exc:
             raise ConfigError(unwritable_dir_message(candidate, exc)) from None
-        _CLAIMED[path] = str(candidate)
+        _CLAIMED[key] = str(candidate)
         return str(candidate)
     raise ConfigError(f"could not create a fresh run dir next to {path}")
 
 
 def claimed_dirs() -> set[str]:
     """The run and sweep dirs this process created (absolute paths)."""
-    return {str(Path(d).absolute()) for d in _CLAIMED.values()}
+    return {str(Path(key).parent / Path(d).name) for key, d in _CLAIMED.items()}
 
 
 def unwritable_dir_message(path: Path, exc: OSError) -> str:

@@ -73,17 +73,31 @@ def guard_run(task: Callable[[Any], Any]) -> Callable[[Any], Any]:
                 "stopped by a second SIGINT before a checkpoint was saved; the last one (if "
                 f"any) is in {run_dir}/checkpoints", signal="SIGINT")
             _record(run_dir, exc, started)
+            _ignore_further_interrupts()
             raise exc from None
         except OSError as err:
             root = _select(cfg, "data.root")
             exc = explain_os_error(err, str(root) if root else None, str(run_dir))
             _record(run_dir, exc, started)
             raise exc from None
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, RunInterrupted):
+                _ignore_further_interrupts()
             _tidy(run_dir, config_dir, last, last_before, fresh=_fresh(run_dir, hydra_cfg))
             raise
 
     return guarded
+
+
+def _ignore_further_interrupts() -> None:
+    """A run stopped by Ctrl-C has saved what it could and is reporting how to continue; a
+    second Ctrl-C in that moment would only replace the message by a traceback. (Each run
+    installs its own handlers while it trains.)"""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _tidy(run_dir: Path, config_dir: Path, last: Path, last_before: Any, fresh: bool) -> None:

@@ -352,7 +352,9 @@ def _elastic(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
             raise RunFailed(watchdog.message) from None
         if all(f.exitcode == EXIT_INTERRUPTED for f in exc.failures.values()):
             raise RunInterrupted(_resume_hint(Path(payload.run_dir), None)) from None
-        raise RunFailed(_describe_failure(exc, oom_before)) from None
+        raise RunFailed(_describe_failure(
+            exc, oom_before, payload.log_file,
+            range(plan.procs) if plan.nodes == 1 else ())) from None
     except SignalException as exc:
         raise RunInterrupted(
             f"stopped by {exc.sigval.name}; " + _resume_hint(Path(payload.run_dir), None),
@@ -367,10 +369,18 @@ def _elastic(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
     return results.get(0)
 
 
-def _describe_failure(exc: Any, oom_kills_before: Optional[int] = None) -> str:
+def _describe_failure(exc: Any, oom_kills_before: Optional[int] = None,
+                      log_file: Optional[str] = None, ranks: Any = ()) -> str:
     """One message naming each failed rank and its cause (the first line of its error).
     A mistake every failed rank reports alike (a ddpexp error, such as a shape check on the
-    first batch) is said once, as it is."""
+    first batch) is said once, as it is.
+
+    The agent reports the ranks it saw fail first, which can be a rank whose collective broke
+    because the real culprit had just closed its sockets. Every rank that raised has written
+    its traceback into the run's log, so ranks the agent missed are added from there, and
+    causes of their own come before lost connections. A rank of ``ranks`` (this node's) that
+    neither the agent nor the log names, while the others only lost their connection, died
+    without a Python error: a signal killed it."""
     same = {_own_error(f) for f in exc.failures.values()}
     if len(same) == 1 and None not in same:
         return same.pop()  # type: ignore[return-value]
@@ -383,6 +393,21 @@ def _describe_failure(exc: Any, oom_kills_before: Optional[int] = None) -> str:
                       "trainer.procs, a smaller data.batch_size or model)" if oom else
                       " (by another process, or by the kernel when memory ran out)")
         lines.append(f"rank {rank} (pid {failure.pid}) {cause}")
+    for rank, (pid, last) in sorted(_logged_failures(log_file).items()):
+        if rank not in exc.failures:
+            lines.append(f"rank {rank} (pid {pid}) raised {last}")
+    lost = [any(k in line for k in _PEER_LOST) for line in lines]
+    if lines and all(lost):
+        named = set(exc.failures) | set(_logged_failures(log_file))
+        for rank in sorted(set(ranks) - named):
+            lines.append(f"rank {rank} was killed by a signal without a Python error (SIGKILL "
+                         + ("from the kernel's out-of-memory killer)" if oom else
+                            "from another process, or the kernel when memory ran out)"))
+        lost = [any(k in line for k in _PEER_LOST) for line in lines]
+    if not all(lost):  # the ranks that lost a peer only echo the others' failure
+        lines = [line for line, echo in zip(lines, lost) if not echo] + [
+            line.split(" raised ")[0] + " lost its connection to the failed rank(s)"
+            for line, echo in zip(lines, lost) if echo]
     head = "a worker failed, so the whole run was stopped:" if len(lines) == 1 else \
         f"{len(lines)} workers failed, so the whole run was stopped:"
     text = head + "\n  " + "\n  ".join(lines)
@@ -392,6 +417,28 @@ def _describe_failure(exc: Any, oom_kills_before: Optional[int] = None) -> str:
             "e.g. stuck in data loading or a deadlock, or skipped a collective)"
         )
     return text
+
+
+# What a rank's collective says when another rank went away: a consequence, not a cause.
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def _logged_failures(log_file: Optional[str]) -> dict[int, tuple[str, str]]:
+    """``{rank: (pid, last line of its traceback)}`` for each ``[rankN] worker failed (pid
+    P):`` entry that the workers wrote into the run's log."""
+    import re
+
+    try:
+        text = Path(log_file).read_text(errors="replace") if log_file else ""
+    except OSError:
+        return {}
+    found = {}
+    pattern = r"^\[rank(\d+)\] worker failed \(pid (\d+)\):\n(Traceback.*?)(?=^\[|\Z)"
+    for match in re.finditer(pattern, text, flags=re.S | re.M):
+        tail = [line for line in match.group(3).splitlines() if line.strip()]
+        if tail:
+            found[int(match.group(1))] = (match.group(2), tail[-1].strip())
+    return found
 
 
 def _own_error(failure: Any) -> Optional[str]:

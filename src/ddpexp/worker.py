@@ -136,6 +136,6 @@ def _log_traceback(log_file: str, rank: int) -> None:
 
     try:
         with open(log_file, "a") as f:
-            f.write(f"[rank{rank}] worker failed:\n{traceback.format_exc()}")
+            f.write(f"[rank{rank}] worker failed (pid {os.getpid()}):\n{traceback.format_exc()}")
     except OSError:
         pass
