@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import read_metrics, read_scalars, run_cli, run_dirs
+from helpers import assert_same_tensors
 
 # Tiny but not trivial: dropout (so the RNG state matters), SGD with momentum (optimizer
 # state), a per-epoch step schedule (scheduler state), and log steps that do not divide the
@@ -40,23 +41,6 @@ def new_run(cwd: Path, args: list[str], timeout: float = 150) -> Path:
     run_cli(args, cwd, timeout=timeout)
     (run_dir,) = set(run_dirs(cwd / "outputs")) - before
     return run_dir
-
-
-def assert_same_tensors(a, b, where: str) -> None:
-    """``a`` and ``b`` have the same structure and every tensor in them is ``torch.equal``."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype, where
-        assert torch.equal(a, b), f"{where} differs"
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), f"{where}: keys {sorted(a)} != {sorted(b)}"
-        for key in a:
-            assert_same_tensors(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same_tensors(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def assert_same_final_state(resumed: Path, reference: Path) -> None:

@@ -16,7 +16,7 @@ from torch import nn
 from ddpexp import report
 from conftest import read_metrics, read_scalars, run_cli, run_dirs
 from helpers import build_trainer, compose_config
-from test_data_models import write_cifar10, write_mnist
+from helpers import write_cifar10, write_mnist
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "src" / "ddpexp" / "conf"

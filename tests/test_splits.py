@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import Subset
 
-from test_data_models import write_cifar10, write_imagefolder, write_mnist
+from helpers import write_cifar10, write_imagefolder, write_mnist
 
 
 def sample_keys(dataset) -> list:

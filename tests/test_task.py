@@ -16,7 +16,7 @@ import torch
 
 from conftest import read_metrics, read_scalars, run_cli, run_dirs
 from helpers import build_trainer, compose_config
-from test_checkpoint_resume import assert_same_tensors
+from helpers import assert_same_tensors
 
 from ddpexp.errors import ConfigError
 

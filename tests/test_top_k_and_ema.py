@@ -12,7 +12,7 @@ import torch
 
 from conftest import read_metrics, run_cli, run_dirs
 from helpers import build_trainer
-from test_checkpoint_resume import assert_same_tensors
+from helpers import assert_same_tensors
 
 # Small and noisy, with dropout (the RNG matters) and a schedule (its state matters).
 ARGS = [
