@@ -46,10 +46,10 @@ def assert_same_weights(a: dict, b: dict) -> None:
 
 
 # ---------------------------------------------------------------- accumulation
-def one_step(cwd: Path, batch: int, accumulate: int, extra: list[str] = ()) -> dict:
+def one_step(cwd: Path, batch: int, accumulate: int, extra: list[str] = (), steps: int = 1) -> dict:
     run_dir = run(cwd, [*SYN, *PLAIN_SGD, "optimizer.lr=0.5", f"data.batch_size={batch}",
-                        f"trainer.accumulate={accumulate}", "trainer.max_steps=1", *extra])
-    assert read_metrics(run_dir)["steps"] == 1
+                        f"trainer.accumulate={accumulate}", f"trainer.max_steps={steps}", *extra])
+    assert read_metrics(run_dir)["steps"] == steps
     return weights(run_dir)
 
 
@@ -76,11 +76,13 @@ def test_accumulate_uneven_last_group_is_a_mean(workdir):
 def test_accumulate_under_ddp(workdir):
     """2 gloo ranks: micro-batches of 2 x accumulate 2 (no_sync on the first) equal batches of
     4, and both equal one process with a batch of 8 (rank r sees samples r, r+2, ... of the
-    same permutation, so the two ranks' 4 samples are the single process's first 8)."""
+    same permutation, so the two ranks' 4 samples are the single process's 8), for 3 steps
+    over 2 epochs: the gradients, views into DDP's buckets that are set to None after each
+    step, start from zero at every step."""
     ddp = ["trainer.procs=2"]
-    accumulated = one_step(workdir / "acc", batch=2, accumulate=2, extra=ddp)
-    whole = one_step(workdir / "whole", batch=4, accumulate=1, extra=ddp)
-    single = one_step(workdir / "single", batch=8, accumulate=1)
+    accumulated = one_step(workdir / "acc", batch=2, accumulate=2, extra=ddp, steps=3)
+    whole = one_step(workdir / "whole", batch=4, accumulate=1, extra=ddp, steps=3)
+    single = one_step(workdir / "single", batch=8, accumulate=1, steps=3)
     assert_same_weights(accumulated, whole)
     assert_same_weights(whole, single)
 

@@ -83,7 +83,9 @@ class TrainerConfig:
     sync_batchnorm: bool = False
     # torch.compile the training forward.
     compile: bool = False
-    channels_last: bool = False
+    # channels_last memory format for the model and 4-d batches; None = on where the model
+    # has 2-d convolutions and runs on the CPU or in bf16/16 on a GPU (measured faster).
+    channels_last: Optional[bool] = None
     # None = on when stderr is a terminal.
     progress_bar: Optional[bool] = None
     # Seconds workers get to checkpoint and exit after a stop signal before they are killed.
