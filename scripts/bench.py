@@ -157,6 +157,13 @@ class Results:
         values = [v for v in values if v is not None]
         return statistics.median(values) if values else None
 
+    def paired(self, case: str, runner: str, attr: str) -> list[float]:
+        """``runner``'s figure over the plain loop's from the same round, round by round:
+        a drift of the machine between rounds cancels within each pair."""
+        mine, theirs = self.runs.get((case, runner), []), self.runs.get((case, "plain"), [])
+        return [getattr(a, attr) / getattr(b, attr) for a, b in zip(mine, theirs)
+                if getattr(a, attr) and getattr(b, attr)]
+
 
 # ---------------------------------------------------------------------- running a command
 def run_command(cmd: list[str], cwd: Path, env: dict, timeout: float) -> tuple[float, float, float]:
@@ -335,10 +342,13 @@ def verdicts(cases: list[Case], res: Results) -> list[str]:
             ratio = d("samples_per_s") / p("samples_per_s")
             goal = TARGETS[case.name]
             dl = res.median(case.name, DL, "samples_per_s")
+            pairs = res.paired(case.name, "ddpexp", "samples_per_s")
             out.append(f"{case.name}: samples/s ratio {ratio:.3f} (target >= {goal}): "
                        + ("met" if ratio >= goal else "NOT met")
                        + f"; on the plain loop's DataLoader pipeline "
-                       + _fmt(dl / p("samples_per_s") if dl else None, 3))
+                       + _fmt(dl / p("samples_per_s") if dl else None, 3)
+                       + f"; round by round {statistics.median(pairs):.3f} "
+                       f"(median of {len(pairs)}, from {min(pairs):.3f} to {max(pairs):.3f})")
         elif case.name == "startup" and d("wall_s") and p("wall_s"):
             extra = d("wall_s") - p("wall_s")
             out.append(f"startup: {case.steps}-step wall time {extra:+.2f} s vs plain "

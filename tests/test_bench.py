@@ -68,3 +68,24 @@ def test_bench_quick_prints_every_figure(tmp_path: Path) -> None:
     for name in ("overhead", "compute", "startup", "memory", "sweep"):
         verdict = [line for line in res.stdout.splitlines() if line.startswith(name + ":")]
         assert len(verdict) == 1 and re.search(r"(met|NOT met)", verdict[0]), res.stdout
+        if name in ("overhead", "compute"):  # the ratio of each round's pair, too
+            assert re.search(r"round by round [\d.]+ \(median of 1, from [\d.]+ to [\d.]+\)",
+                             verdict[0]), verdict[0]
+
+
+@pytest.mark.timeout(300)
+def test_step_overhead_times_both_loops_in_alternation(tmp_path: Path) -> None:
+    """scripts/step_overhead.py builds the real trainer and interleaves chunks of its steps
+    with the plain loop's, in one process: it prints both per-step times and their ratio."""
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "scripts" / "step_overhead.py"), "--chunks", "4",
+         "--steps-per-chunk", "3"], cwd=tmp_path, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    res = finish(proc, timeout=240)
+    assert res.returncode == 0, res.output
+    assert "2 alternating chunks of 3 steps" in res.stdout, res.stdout
+    times = re.search(r"ms per step: plain ([\d.]+), ddpexp ([\d.]+)", res.stdout)
+    ratio = re.search(r"speed ratio \(plain time / ddpexp time, totals\): ([\d.]+)", res.stdout)
+    assert times and ratio, res.stdout
+    assert float(times.group(1)) > 0 and float(times.group(2)) > 0 and float(ratio.group(1)) > 0
