@@ -43,26 +43,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def compose(overrides: list[str]) -> dict:
-    """The resolved config a one-process worker receives."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
-    from omegaconf import OmegaConf, open_dict
-
-    from ddpexp.config import register_configs
-    from ddpexp.launch import _resolve_monitor
-
-    register_configs()
-    with initialize_config_module(version_base="1.3", config_module="ddpexp.conf"):
-        cfg = hydra_compose("config", overrides=overrides)
-    with open_dict(cfg):
-        cfg.pop("hydra", None)
-    plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    plain["trainer"]["strategy"] = "single"
-    _resolve_monitor(plain)
-    return plain
-
-
 class Interleaved:
     """Wraps ddpexp's training loader: before every K-th batch it closes the timing of the
     K ddpexp steps just done and runs K plain steps, timed on their own."""
@@ -90,6 +70,7 @@ def main(argv=None) -> None:
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, TensorDataset
 
+    from ddpexp.config import compose_single_process
     from ddpexp.dist import DistContext
     from ddpexp.models import MLP, ConvNet
     from ddpexp.trainer import Trainer
@@ -97,7 +78,7 @@ def main(argv=None) -> None:
     k = args.steps_per_chunk
     steps = k * (args.chunks + 1)
     n = steps * args.batch_size
-    config = compose([
+    config = compose_single_process([
         "data=synthetic", "data.shape=[3,32,32]", f"data.num_samples={n}",
         f"data.batch_size={args.batch_size}", f"model={args.model}", f"trainer.max_steps={steps}",
         f"trainer.log_every_n_steps={k}", "trainer.progress_bar=false",

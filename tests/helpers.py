@@ -12,10 +12,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 import torch
-from hydra import compose, initialize_config_module
-from omegaconf import OmegaConf, open_dict
 
-from ddpexp.config import register_configs
+from ddpexp.config import compose_single_process, register_configs
 
 register_configs()
 
@@ -24,25 +22,7 @@ def compose_config(*overrides: str, config_dir: Optional[Path] = None) -> dict:
     """The resolved config (plain Python, as workers receive it) for ``overrides``, with the
     task's monitor filled in as a run's parent does. ``config_dir`` is a user's own config dir
     (``--config-dir``)."""
-    from hydra.core.singleton import Singleton
-    from hydra.version import VersionBase
-
-    from ddpexp.launch import _resolve_monitor
-
-    extra = [f"hydra.searchpath=[file://{config_dir}]"] if config_dir else []
-    try:
-        with initialize_config_module(version_base="1.3", config_module="ddpexp.conf"):
-            cfg = compose("config", overrides=[*overrides, *extra])
-    finally:
-        # initialize_* leaves its version base in a process-wide singleton; Hydra's launcher
-        # suites, later in this process, expect the unspecified (pre-1.2) default.
-        Singleton._instances.pop(VersionBase, None)
-    with open_dict(cfg):
-        cfg.pop("hydra", None)
-    plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    plain["trainer"]["strategy"] = "single"
-    _resolve_monitor(plain)
-    return plain
+    return compose_single_process(list(overrides), config_dir)
 
 
 def build_trainer(run_dir: Path, overrides: Sequence[str] = (), config_dir: Optional[Path] = None):

@@ -142,7 +142,18 @@ def test_loader_settings_reach_the_dataloader(tmp_path):
     fast = syn.loader(tr, list(range(10)), seed=0, on_gpu=False, train=True)
     assert isinstance(fast, TensorLoader) and [len(y) for _, y in fast] == [4, 4, 2]
     syn.fast_path = False
-    assert isinstance(syn.loader(tr, list(range(10)), seed=0, on_gpu=False, train=True), DataLoader)
+    slow = syn.loader(tr, list(range(10)), seed=0, on_gpu=False, train=True)
+    assert isinstance(slow, DataLoader)
+    # Both give the same batches, in the sampler's order (here not the dataset's).
+    order = [7, 2, 9, 0, 4, 1, 8, 3, 6, 5]
+    syn.fast_path = True
+    fast_batches = list(syn.loader(tr, order, seed=0, on_gpu=False, train=True))
+    syn.fast_path = False
+    slow_batches = list(syn.loader(tr, order, seed=0, on_gpu=False, train=True))
+    assert len(fast_batches) == len(slow_batches) == 3
+    for (fx, fy), (sx, sy) in zip(fast_batches, slow_batches):
+        assert torch.equal(fx, sx) and torch.equal(fy, sy)
+    assert torch.equal(fast_batches[0][1], tr.y[[7, 2, 9, 0]])
 
 
 def test_missing_files_give_a_clear_message(workdir):

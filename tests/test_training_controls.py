@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import only_run_dir, read_metrics, read_scalars, run_cli
+from helpers import build_trainer
 
 # Tiny learnable data and an MLP without BatchNorm or dropout, so a step's gradient is a plain
 # function of which samples it saw.
@@ -101,6 +102,35 @@ def test_bf16_and_channels_last_on_cpu(workdir):
     assert math.isfinite(metrics["final"]["val/loss"])
     # autocast computes in bf16 but the weights stay float32
     assert all(t.dtype == torch.float32 for t in weights(run_dir).values() if t.is_floating_point())
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["model=convnet"], True),  # trainer.channels_last=null: a conv model on the CPU
+    (["model=convnet", "trainer.channels_last=false"], False),
+    (["model=mlp"], False),  # no convolution: its batches are not reordered
+    (["model=mlp", "trainer.channels_last=true"], True),
+])
+def test_channels_last_default_follows_the_model(tmp_path, overrides, expected):
+    """The trainer's weights and the 4-d batches it trains on are channels_last exactly where
+    the setting (or, left null, the model having 2-d convolutions on the CPU) says so."""
+    trainer = build_trainer(tmp_path, ["data=synthetic", "data.num_samples=8", "data.val_samples=4",
+                                       "data.shape=[3,8,8]", "data.batch_size=4", *overrides])
+    x, _ = trainer._to_device(next(iter(trainer.train_loader)))
+    cl = torch.channels_last
+    assert x.dim() == 4 and x.is_contiguous(memory_format=cl) is expected
+    convs = [m.weight for m in trainer.module.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert all(w.is_contiguous(memory_format=cl) is expected for w in convs)
+
+
+def test_channels_last_default_on_gpus_only_with_tensor_core_precisions():
+    from ddpexp.models import MLP, ConvNet
+    from ddpexp.trainer import _channels_last_pays
+
+    conv, mlp = ConvNet(input_shape=[3, 8, 8], num_classes=2), MLP(input_shape=[3, 8, 8], num_classes=2)
+    cuda = torch.device("cuda", 0)
+    assert _channels_last_pays(conv, cuda, "bf16") and _channels_last_pays(conv, cuda, "16")
+    assert not _channels_last_pays(conv, cuda, "32")
+    assert not _channels_last_pays(mlp, cuda, "bf16")
 
 
 def test_fp16_on_cpu_is_refused_clearly(workdir):
