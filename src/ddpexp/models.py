@@ -1,5 +1,11 @@
 """Models the ``model`` config group points at. Each takes the data's ``input_shape``
-(C, H, W) and ``num_classes``, so the same model config fits any dataset."""
+(C, H, W) and ``num_classes``, so the same model config fits any dataset.
+
+A model whose class sets ``channels_last_safe = True`` is known to take channels_last tensors
+(it reshapes only by pooling and flattening 1x1 maps), so ``trainer.channels_last=null``
+applies that layout to it without a trial; any other model with convolutions gets it only
+after a batch has gone through it in that layout (see the trainer's probe).
+"""
 
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ class ConvNet(nn.Module):
     """Conv-BN-ReLU blocks, each halving the spatial size while it is above 1, then global
     average pooling and an MLP head: works for any channel count and any image size
     (1x1 included), unlike the fixed-size nets of the classic DDP tutorials."""
+
+    channels_last_safe = True
 
     def __init__(
         self,
@@ -93,7 +101,13 @@ def resnet18(input_shape: Sequence[int], num_classes: int) -> nn.Module:
         model.maxpool = nn.Identity()
     elif channels != 3:
         model.conv1 = nn.Conv2d(channels, 64, 7, stride=2, padding=3, bias=False)
+    model.channels_last_safe = True  # torchvision flattens the pooled 1x1 map
     return model
+
+
+def channels_last_safe(model: nn.Module) -> bool:
+    """Whether ``model`` declares that channels_last tensors pass through it unchanged."""
+    return getattr(model, "channels_last_safe", False) is True
 
 
 class _Block(nn.Module):

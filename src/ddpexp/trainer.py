@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import Dataset, Subset, default_collate
 
 from ddpexp import checkpoint as ckpt_io
-from ddpexp import pruning
+from ddpexp import models, pruning
 from ddpexp.config import Strategy, TrainerConfig, trainer_config
 from ddpexp.data import DataSource, ResumableDistributedSampler
 from ddpexp.dist import DistContext, derive_seed, rng_state, seed_everything, set_rng_state
@@ -93,6 +93,10 @@ class Trainer:
             # cuBLAS is deterministic only with a fixed workspace, chosen before its first use.
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         self._build_loaders(datasets)
+        self._place_model(model)
+        # The probes run before DDP wraps the model: a model that falls back from
+        # channels_last must have its final layout before DDP lays out its gradient buckets.
+        self.val_names = self._check_task()
         self._wrap_model(model)
         self._build_optimization(optimizer, scheduler)
         # The average follows the unwrapped model's own tensors; DDP keeps them identical on
@@ -100,7 +104,6 @@ class Trainer:
         self.ema = EMA(self.module, cfg.ema_decay) if cfg.ema_decay is not None else None
         self.top_k = TopK(cfg.save_top_k, self.monitor, self.monitor_mode) if cfg.save_top_k else None
         self._init_state()
-        self.val_names = self._check_task()
 
     @classmethod
     def from_config(cls, config: dict, ctx: DistContext, run_dir: Path,
@@ -171,7 +174,8 @@ class Trainer:
         limit = self.t.limit_val_batches
         return loader if limit is None else FirstBatches(loader, limit)
 
-    def _wrap_model(self, model: nn.Module) -> None:
+    def _place_model(self, model: nn.Module) -> None:
+        """The model on this rank's device, in its memory format, with its autocast dtype."""
         t = self.t
         if not any(p.requires_grad for p in model.parameters()):
             raise ConfigError(
@@ -182,8 +186,17 @@ class Trainer:
         channels_last = t.channels_last
         if channels_last is None:
             channels_last = _channels_last_pays(model, self.device, str(t.precision))
+        # A layout the user did not ask for, or one asked for of a model not known to take
+        # it, is confirmed by the probe batch (_check_batch) before training.
+        self._layout_on_trial = bool(channels_last) and (
+            t.channels_last is True or not models.channels_last_safe(model))
         self.memory_format = torch.channels_last if channels_last else torch.preserve_format
         model.to(self.device, memory_format=self.memory_format)
+        self.module = model
+        self.amp_dtype = {"bf16": torch.bfloat16, "16": torch.float16}.get(str(t.precision))
+
+    def _wrap_model(self, model: nn.Module) -> None:
+        t = self.t
         if t.sync_batchnorm:
             # torch's SyncBatchNorm has no CPU kernel (config.validate refuses CPU DDP with it);
             # one process has nothing to synchronise, so there it is ignored.
@@ -222,9 +235,7 @@ class Trainer:
         if scheduler is not None:
             self.scheduler = scheduler(self.optimizer, total_steps=total,
                                        steps_per_epoch=self.steps_per_epoch)
-        precision = str(t.precision)
-        self.amp_dtype = {"bf16": torch.bfloat16, "16": torch.float16}.get(precision)
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=precision == "16")
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=str(t.precision) == "16")
         self.params = [p for p in self.module.parameters() if p.requires_grad]
 
     def _init_state(self) -> None:
@@ -270,22 +281,54 @@ class Trainer:
 
     def _check_batch(self) -> None:
         """The task's own checks on a batch of the first training samples, and a model that
-        cannot take the data's batches told as such, before the first step."""
+        cannot take the data's batches told as such, before the first step. A model on trial
+        in channels_last that fails in it but not in its own layout falls back to that layout
+        (trainer.channels_last=null, one warning) or is refused (=true, naming the key)."""
         n = min(PROBE_SAMPLES, len(self.train_sampler.dataset))
         dataset = self.train_sampler.dataset
+        batch = default_collate([dataset[i] for i in range(n)])
+        try:
+            self._probe(batch)
+            return
+        except Exception as exc:  # noqa: BLE001 - retried below, in the model's own layout
+            if not self._layout_on_trial:
+                raise
+            failure = exc
+        self.memory_format = torch.preserve_format
+        self.module.to(memory_format=torch.contiguous_format)
+        self._probe(batch)  # a failure here is the model's own, told as such
+        reason = _first_line(failure.__cause__ or failure)
+        name = type(self.module).__name__
+        if self.t.channels_last:
+            raise ConfigError(
+                f"the model ({name}) fails on channels_last tensors ({reason}), which "
+                "trainer.channels_last=true asks for; it works without. Set "
+                "trainer.channels_last=false (or null), or reshape with x.reshape/x.flatten(1) "
+                "instead of x.view in its forward"
+            ) from failure
+        if self.ctx.is_main:
+            log.warning("the model (%s) fails on channels_last tensors (%s): trained in its own "
+                        "memory format instead. trainer.channels_last=false skips this trial; "
+                        "with x.reshape/x.flatten(1) instead of x.view in its forward, "
+                        "trainer.channels_last=true gives the faster layout", name, reason)
+
+    def _probe(self, batch: Any) -> None:
+        """The task's check and training step of ``batch`` with the initial weights, off the
+        record (no grad, eval mode, the random streams restored). An error of the model
+        keeps its cause, so that HYDRA_FULL_ERROR=1 shows the model's own line."""
         with torch.random.fork_rng(devices=[]), torch.no_grad(), self._autocast():
-            probe = self._to_device(default_collate([dataset[i] for i in range(n)]))
+            probe = self._to_device(batch)
             self.module.eval()
             try:
                 self.task.check(self.module, probe)
                 self.task.training_step(self.module, probe)
             except (RuntimeError, IndexError) as exc:
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 raise ConfigError(
                     f"the model ({type(self.module).__name__}) cannot take a batch of the data "
-                    f"with task {type(self.task).__name__}: {first}. Check that data.shape and "
-                    "data.num_classes match the data, and the model's keys match both"
-                ) from None
+                    f"with task {type(self.task).__name__}: {_first_line(exc)}. Check that "
+                    "data.shape and data.num_classes match the data, and the model's keys "
+                    "match both"
+                ) from exc
 
     # ------------------------------------------------------------------ the run
     def fit(self, resume_from: Optional[Path] = None) -> dict:
@@ -376,7 +419,7 @@ class Trainer:
                     "some of the model's parameters take no part in the loss, which DDP refuses "
                     "by default. Set trainer.find_unused_parameters=true (or use every "
                     "parameter in forward)"
-                ) from None
+                ) from exc
             if self.bar is not None:
                 self.bar.update(1)
             if not last_micro:
@@ -975,6 +1018,12 @@ def _channels_last_pays(model: nn.Module, device: torch.device, precision: str) 
     if not any(isinstance(m, nn.Conv2d) for m in model.modules()):
         return False
     return device.type == "cpu" or precision in ("bf16", "16")
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type's name if it has none)."""
+    text = str(exc).strip()
+    return text.splitlines()[0].rstrip(".") if text else type(exc).__name__
 
 
 def _metric_names(out: Any, task: str, method: str) -> list[str]:
