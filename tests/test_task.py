@@ -18,7 +18,9 @@ from conftest import read_metrics, read_scalars, run_cli, run_dirs
 from helpers import build_trainer, compose_config
 from helpers import assert_same_tensors
 
+from ddpexp import Task
 from ddpexp.errors import ConfigError
+from ddpexp.task import Classification, as_task
 
 # A user's own task and data, as they would write them: dict batches, a custom metric
 # ("within": the share of predictions within 0.5 of the target), a model built with no
@@ -69,6 +71,14 @@ USER_MODULE = textwrap.dedent('''
 
         def batch_size(self, batch):
             return len(batch["target"])
+
+
+    class PlainClassification:
+        """A task as the contract allows it: no base class, only a training step."""
+
+        def training_step(self, model, batch):
+            x, y = batch
+            return {"loss": torch.nn.functional.cross_entropy(model(x), y)}
 ''')
 
 
@@ -81,6 +91,7 @@ def user_dir(tmp_path: Path) -> Path:
         "task/within.yaml": "_target_: usertask.WithinTask\n",
         "data/points.yaml": "_target_: usertask.PointsData\nbatch_size: 8\nnum_workers: 0\n",
         "model/net.yaml": "_target_: usertask.Net\n",
+        "task/plain.yaml": "_target_: usertask.PlainClassification\n",
     }.items():
         (conf / group).parent.mkdir(parents=True, exist_ok=True)
         (conf / group).write_text(body)
@@ -173,6 +184,72 @@ def test_user_task_in_a_ddp_sweep_reaches_every_output(user_dir: Path):
         assert report.main([str(sweep), "--format", "json"]) == 0
     parsed = json.loads(out.getvalue())
     assert {r["monitor"] for r in parsed} == {"val/within"} and all("val/within" in r for r in parsed)
+
+
+class OnlyTrainingStep:
+    def training_step(self, model, batch):
+        x, y = batch
+        return {"loss": (model(x) - y).pow(2).mean()}
+
+
+class NoStep:
+    def validation_step(self, model, batch):
+        return {}
+
+
+class SomeOfItsOwn:
+    monitor, monitor_mode = "val/mae", "min"
+
+    def training_step(self, model, batch):
+        err = model(batch["x"]) - batch["y"]
+        return {"loss": err.pow(2).mean(), "mae": err.abs().mean()}
+
+    def batch_size(self, batch):
+        return 5
+
+    def derived(self, means):
+        return {"rmse": means["loss"] ** 0.5}
+
+    def check(self, model, batch):
+        raise ConfigError("checked")
+
+
+def test_a_task_without_the_base_class_gets_each_default():
+    model = torch.nn.Linear(3, 1)
+    x, y = torch.randn(4, 3), torch.randn(4, 1)
+    plain = OnlyTrainingStep()
+    task = as_task(plain)
+    assert isinstance(task, Task) and type(task).__name__ == "OnlyTrainingStep"
+    assert torch.equal(task.validation_step(model, (x, y))["loss"], plain.training_step(model, (x, y))["loss"])
+    assert task.batch_size((x, y)) == 4
+    assert task.derived({"loss": 1.0}) == {}
+    assert task.check(model, (x, y)) is None
+    assert (task.monitor, task.monitor_mode) == ("val/loss", "min")
+
+    own = as_task(SomeOfItsOwn())
+    batch = {"x": x, "y": y}
+    assert set(own.validation_step(model, batch)) == {"loss", "mae"}
+    assert own.batch_size(batch) == 5 and own.derived({"loss": 4.0}) == {"rmse": 2.0}
+    assert (own.monitor, own.monitor_mode) == ("val/mae", "min")
+    with pytest.raises(ConfigError, match="checked"):
+        own.check(model, batch)
+
+    subclass = Classification()
+    assert as_task(subclass) is subclass  # a Task stays what it is
+    with pytest.raises(ConfigError, match=r"built a NoStep without a training_step"):
+        as_task(NoStep())
+
+
+@pytest.mark.slow
+def test_a_task_without_the_base_class_trains_under_ddp(user_dir: Path):
+    env = {"PYTHONPATH": os.pathsep.join([str(user_dir), os.environ.get("PYTHONPATH", "")])}
+    run_cli(["--config-dir", str(user_dir / "my_conf"), "task=plain", "trainer.procs=2",
+             "trainer.max_epochs=1", "trainer.limit_train_batches=3"], user_dir, timeout=180, env=env)
+    (run_dir,) = run_dirs(user_dir / "outputs")
+    m = read_metrics(run_dir)
+    assert m["status"] == "completed" and m["world_size"] == 2 and m["steps"] == 3
+    assert m["monitor"] == "val/loss" and m["final"]["val/loss"] > 0
+    assert "test/loss" in m["test"]
 
 
 TEXT = "".join(f"the {w} sat on the mat. " for w in ("cat", "dog", "bird", "fox") * 60)

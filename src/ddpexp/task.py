@@ -30,6 +30,9 @@ The contract, in one place:
   naming the key to fix, where the step itself would fail obscurely later. It may compare
   values on the host: it is off the hot path.
 
+Only ``training_step`` is required, whether or not the class derives from :class:`Task`:
+:func:`as_task` gives an object of any other class the defaults above for what it leaves out.
+
 Because each returned value is a per-sample mean, the trainer weights it by
 ``batch_size(batch)``: gradient accumulation, uneven last batches and validation sharded over
 any number of ranks then give exactly the numbers one big batch would.
@@ -37,6 +40,7 @@ any number of ranks then give exactly the numbers one big batch would.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Mapping, Optional
 
@@ -77,6 +81,52 @@ class Task:
 
     def check(self, model: nn.Module, batch: Any) -> None:
         """Checks of one batch of training samples before the first step (none by default)."""
+
+
+# What a task may leave out; Task's own definitions are the defaults.
+_OPTIONAL_METHODS = ("validation_step", "batch_size", "derived", "check")
+_OPTIONAL_ATTRIBUTES = ("monitor", "monitor_mode")
+
+
+def as_task(task: Any) -> Task:
+    """``task`` with the whole :class:`Task` interface: a ``Task`` as it is; an object of any
+    other class (the contract asks only for ``training_step``) wrapped so that what it does
+    not define gets ``Task``'s default, and what it does define is its own. Everything
+    else (``trainer.task.foo``) still reaches the object."""
+    if isinstance(task, Task):
+        return task
+    if not callable(getattr(task, "training_step", None)):
+        raise ConfigError(
+            f"task._target_ built a {type(task).__name__} without a training_step(model, batch) "
+            "method; a task needs one (returning a dict of scalar tensors with a 'loss' entry)"
+        )
+    return _adapter_class(type(task))(task)
+
+
+class _PlainTask(Task):
+    """A task object of a class that does not derive from Task, seen through Task."""
+
+    def __init__(self, task: Any):
+        self._task = task
+        for name in ("training_step", *_OPTIONAL_METHODS):
+            method = getattr(task, name, None)
+            if callable(method):
+                setattr(self, name, method)
+        for name in _OPTIONAL_ATTRIBUTES:
+            if hasattr(task, name):
+                setattr(self, name, getattr(task, name))
+
+    def __getattr__(self, name: str) -> Any:  # only what the wrapper itself lacks
+        if name == "_task":
+            raise AttributeError(name)
+        return getattr(self._task, name)
+
+
+@functools.cache
+def _adapter_class(cls: type) -> type:
+    """A :class:`_PlainTask` named after ``cls``, so that messages name the user's class."""
+    return type(cls.__name__, (_PlainTask,), {"__qualname__": cls.__qualname__,
+                                              "__module__": cls.__module__})
 
 
 def first_tensor(batch: Any) -> Optional[torch.Tensor]:

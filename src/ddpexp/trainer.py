@@ -35,7 +35,7 @@ from ddpexp.dist import DistContext, derive_seed, rng_state, seed_everything, se
 from ddpexp.ema import EMA
 from ddpexp.errors import ConfigError
 from ddpexp.signals import StopRequested
-from ddpexp.task import Task
+from ddpexp.task import Task, as_task
 from ddpexp.topk import TopK
 from ddpexp.watchdog import (BACKWARD, CHECKPOINT, DATA, FORWARD, OPTIMIZER, VALIDATION,
                              heartbeat_from_env)
@@ -74,13 +74,13 @@ class Trainer:
         self.t, self.ctx, self.run_dir = cfg, ctx, Path(run_dir)
         # Where this rank is, for the launching process's stall watchdog (a no-op without one).
         self.beat = heartbeat_from_env(ctx.local_rank, ctx.restart, ctx.rank)
-        self.task, self.data, self.seed = task, data, seed
+        self.task, self.data, self.seed = as_task(task), data, seed
         self.config = config or {}
         self.hparams = hparams or {}
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.device = ctx.device
-        self.monitor = cfg.monitor or task.monitor
-        self.monitor_mode = cfg.monitor_mode.value if cfg.monitor_mode else task.monitor_mode
+        self.monitor = cfg.monitor or self.task.monitor
+        self.monitor_mode = cfg.monitor_mode.value if cfg.monitor_mode else self.task.monitor_mode
         self.stop = StopRequested()
         self.stopping = False  # the stop that all ranks agreed on
         # An optuna_async trial: rank 0 reports each validation, every rank follows its answer.
