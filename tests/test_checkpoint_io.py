@@ -17,6 +17,7 @@ from ddpexp import checkpoint
 from ddpexp.errors import CheckpointError
 
 from conftest import read_metrics, run_cli
+from helpers import assert_same_tensors, build_trainer
 
 TINY = [
     "data=synthetic", "data.shape=[1,4,4]", "data.num_classes=3", "data.num_samples=32",
@@ -32,12 +33,12 @@ def _payload(i: int) -> dict:
 
 
 def _save_forever(path: str, first: int) -> None:
-    """The child: save (and every other time link best.pt) as fast as it can."""
+    """The child: save (and every other time copy to best.pt) as fast as it can."""
     target = Path(path)
     for i in range(first + 1, 1 << 30):
         checkpoint.save_atomic(_payload(i), target)
         if i % 2 == 0:
-            checkpoint.link_atomic(target, target.with_name(checkpoint.BEST))
+            checkpoint.copy_atomic(target, target.with_name(checkpoint.BEST))
 
 
 def _assert_consistent(ckpt: dict) -> int:
@@ -139,6 +140,24 @@ def test_truncated_checkpoint_names_the_file(tmp_path):
                 checkpoint.load(bad, mmap=mmap)
 
 
+def test_best_and_top_k_survive_damage_to_last_pt(tmp_path):
+    """A run whose last epoch is its best writes last.pt, best.pt and the top-k file from one
+    state: three files, not three names of one, so a last.pt cut short (a full disk, a bad
+    copy) leaves the other two whole."""
+    build_trainer(tmp_path, [*TINY, "trainer.save_top_k=1", "trainer.test=false"]).fit()
+    ckpts = tmp_path / "checkpoints"
+    last, best = ckpts / checkpoint.LAST, ckpts / checkpoint.BEST
+    (top,) = ckpts.glob("epoch000-*.pt")
+    assert len({p.stat().st_ino for p in (last, best, top)}) == 3
+    saved = torch.load(last, weights_only=True)
+    with open(last, "r+b") as f:
+        f.truncate(last.stat().st_size // 2)
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        checkpoint.load(last)
+    for survivor in (best, top):
+        assert_same_tensors(torch.load(survivor, weights_only=True), saved, survivor.name)
+
+
 def _snapshot(run_dir: Path) -> dict[str, bytes]:
     return {str(p.relative_to(run_dir)): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
 
@@ -158,8 +177,7 @@ def test_cli_refuses_bad_checkpoints_and_keeps_the_run(workdir):
 
     # Truncated last.pt of a finished run, resumed by dir.
     good = last.read_bytes()
-    last.unlink()  # best.pt may be a hard link to the same file: leave it intact
-    last.write_bytes(good[: len(good) // 2])
+    last.write_bytes(good[: len(good) // 2])  # in place: best.pt is a file of its own
     before["checkpoints/last.pt"] = last.read_bytes()
     res = run_cli([*TINY, f"resume={run_dir}"], workdir, expect_ok=False)
     _assert_clean_failure(res, f"checkpoint {last} is truncated or corrupt",

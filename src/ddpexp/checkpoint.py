@@ -11,8 +11,14 @@ from __future__ import annotations
 import errno
 import os
 import pickle
+import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, BinaryIO, Optional
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: copies there are plain copies
+    fcntl = None  # type: ignore[assignment]
 
 import torch
 
@@ -48,29 +54,59 @@ def save_atomic(obj: dict, path: Path) -> None:
 
 def _disk_full(directory: Path, need: int = 1 << 20) -> bool:
     """Whether less than ``need`` bytes are free where ``directory`` lives."""
-    import shutil
-
     try:
         return shutil.disk_usage(directory).free < need
     except OSError:
         return False
 
 
-def link_atomic(src: Path, dst: Path) -> None:
-    """Make ``dst`` the same file as ``src`` (a hard link renamed into place), atomically and
-    without serialising the checkpoint a second time."""
+def copy_atomic(src: Path, dst: Path) -> None:
+    """Make ``dst`` a file of its own with ``src``'s bytes, atomically (temporary file,
+    fsync, rename, fsync dir), without serialising the checkpoint a second time: a
+    copy-on-write clone where the file system has them (btrfs, XFS), else a copy made by
+    the kernel. Never a hard link: damage to one file (last.pt) must not reach the other
+    (best.pt), which is the fallback its error message offers."""
     tmp = dst.with_name(f"{dst.name}{_TMP_MARK}{os.getpid()}")
-    tmp.unlink(missing_ok=True)
     try:
-        os.link(src, tmp)
+        with open(src, "rb") as fin, open(tmp, "wb") as fout:
+            _clone_or_copy(fin, fout)
+            fout.flush()
+            os.fsync(fout.fileno())
         os.replace(tmp, dst)
-    except OSError:
+    except BaseException:
         tmp.unlink(missing_ok=True)
-        import shutil
-
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
+        raise
     _fsync_dir(dst.parent)
+
+
+# ioctl FICLONE (_IOW(0x94, 9, int)): share the source's extents copy-on-write.
+_FICLONE = 0x40049409
+
+
+def _clone_or_copy(fin: BinaryIO, fout: BinaryIO) -> None:
+    """``fin``'s bytes into the empty ``fout``: a reflink clone, else ``copy_file_range``
+    (in the kernel, itself a clone on some file systems), else a buffered copy."""
+    if fcntl is not None:
+        try:
+            fcntl.ioctl(fout.fileno(), _FICLONE, fin.fileno())
+            return
+        except OSError:
+            pass  # not supported here (ext4, tmpfs, another device): copy instead
+    size = os.fstat(fin.fileno()).st_size
+    copied = 0
+    try:
+        while copied < size:
+            n = os.copy_file_range(fin.fileno(), fout.fileno(), size - copied)
+            if n == 0:
+                break
+            copied += n
+    except (OSError, AttributeError):  # AttributeError: no copy_file_range on this OS
+        pass
+    if copied != size:
+        fin.seek(0)
+        fout.seek(0)
+        fout.truncate()
+        shutil.copyfileobj(fin, fout, 1 << 20)
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -898,9 +898,9 @@ class Trainer:
         last = self.ckpt_dir / ckpt_io.LAST
         ckpt_io.save_atomic(state, last)
         if best:
-            ckpt_io.link_atomic(last, self.ckpt_dir / ckpt_io.BEST)
+            ckpt_io.copy_atomic(last, self.ckpt_dir / ckpt_io.BEST)
         if entry is not None:
-            ckpt_io.link_atomic(last, self.ckpt_dir / entry)
+            ckpt_io.copy_atomic(last, self.ckpt_dir / entry)
         for name in dropped:
             (self.ckpt_dir / name).unlink(missing_ok=True)
 
