@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pathlib
 import random
+import re
 import signal
 import time
 from pathlib import Path
@@ -131,7 +133,7 @@ def test_truncated_checkpoint_names_the_file(tmp_path):
     good = tmp_path / "good.pt"
     checkpoint.save_atomic(_payload(3), good)
     data = good.read_bytes()
-    for n in (0, 10, 100, len(data) // 2, len(data) - 100, len(data) - 1):
+    for n in (2, 10, 100, len(data) // 2, len(data) - 100, len(data) - 1):
         bad = tmp_path / "checkpoints" / "last.pt"
         bad.parent.mkdir(exist_ok=True)
         bad.write_bytes(data[:n])
@@ -156,6 +158,53 @@ def test_best_and_top_k_survive_damage_to_last_pt(tmp_path):
         checkpoint.load(last)
     for survivor in (best, top):
         assert_same_tensors(torch.load(survivor, weights_only=True), saved, survivor.name)
+
+
+def _not_a_checkpoint(path: Path) -> Path:
+    """4 KB of random bytes, as a failed download or a mixed-up file leaves them."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    noise = random.Random(0).randbytes(4096)
+    assert noise[:1] not in (b"P", b"\x80")  # begins as neither of torch.save's formats
+    path.write_bytes(noise)
+    return path
+
+
+def test_each_unreadable_file_is_named_for_what_it_is(tmp_path):
+    """Bytes that are no checkpoint, an empty file, a checkpoint cut short and a real
+    checkpoint holding objects that only an unsafe load builds: one message each."""
+    good = tmp_path / "good.pt"
+    checkpoint.save_atomic(_payload(3), good)
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    empty = tmp_path / "empty.pt"
+    empty.write_bytes(b"")
+    with_path = tmp_path / "with_path.pt"  # a pathlib object: weights_only refuses its class
+    torch.save({"model": {"w": torch.zeros(2)}, "data_root": pathlib.PurePosixPath("/data")}, with_path)
+    cases = {
+        _not_a_checkpoint(tmp_path / "noise.pt"): rf"{tmp_path}/noise.pt is not a checkpoint: its "
+                                                  r"4096 bytes begin b'.*', neither a zip archive nor a pickle",
+        empty: rf"checkpoint {empty} is empty \(0 bytes\)",
+        cut: rf"checkpoint {cut} is truncated or corrupt \(PytorchStreamReader failed",
+        with_path: rf"checkpoint {with_path} holds objects that only an unsafe pickle load could create",
+    }
+    for path, message in cases.items():
+        for mmap in (False, True):
+            with pytest.raises(CheckpointError) as caught:
+                checkpoint.load(path, mmap=mmap)
+            assert re.match(message, str(caught.value)), (str(caught.value), message)
+            assert ("unsafe pickle" in str(caught.value)) == (path == with_path)
+
+
+def test_cli_resume_from_bytes_that_are_no_checkpoint(workdir):
+    run_dir = workdir / "run"
+    build_trainer(run_dir, [*TINY, "trainer.test=false"]).fit()
+    last = _not_a_checkpoint(run_dir / "checkpoints" / "last.pt")
+    before = _snapshot(run_dir)
+    res = run_cli([*TINY, f"resume={run_dir}"], workdir, expect_ok=False)
+    _assert_clean_failure(res, f"{last} is not a checkpoint: its 4096 bytes")
+    assert res.stderr.count("is not a checkpoint") == 1 and "unsafe" not in res.output
+    after = _snapshot(run_dir)
+    assert {k: after.get(k) for k in before} == before  # nothing it held was touched
 
 
 def _snapshot(run_dir: Path) -> dict[str, bytes]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import pickle
+import re
 import shutil
 from pathlib import Path
 from typing import Any, BinaryIO, Optional
@@ -139,6 +140,7 @@ def load(path: Path | str, map_location: Any = "cpu", mmap: bool = False,
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
+    _check_kind(path, fix)
     try:
         try:
             ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
@@ -149,18 +151,44 @@ def load(path: Path | str, map_location: Any = "cpu", mmap: bool = False,
             # with a bare EINVAL: read it, still weights_only, for the real reason.
             ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
-        if "weights_only" in str(exc) or "Weights only" in str(exc):
+        if _REFUSED_OBJECT.search(str(exc)):
             raise CheckpointError(
                 f"checkpoint {path} holds objects that only an unsafe pickle load could "
                 "create; ddpexp reads checkpoints with torch.load(weights_only=True) only and "
                 "refuses it. Re-save it as tensors and plain Python containers."
             ) from None
-        raise _corrupt(path, exc, fix) from None
+        raise _corrupt(path, exc, fix) from None  # bytes that no pickler wrote
     except (RuntimeError, EOFError, ValueError, OSError, KeyError) as exc:
         raise _corrupt(path, exc, fix) from None
     if not isinstance(ckpt, dict) or "model" not in ckpt:
         raise CheckpointError(f"{path} is not a ddpexp checkpoint (no 'model' entry)")
     return ckpt
+
+
+# What torch's weights_only unpickler says of a well-formed pickle that would build objects
+# other than tensors and containers (a class, a function to call); any other complaint of
+# it ("Unsupported operand ...") is about bytes that are no pickle torch.save writes.
+_REFUSED_OBJECT = re.compile(
+    r"Unsupported global|is blocked|unrecognized function|Can only create new object|"
+    r"Can only build|must be imported to load")
+# How the files torch.save writes begin: a zip archive, or (the legacy format) a pickle.
+_MAGIC = (b"PK\x03\x04", b"\x80")
+
+
+def _check_kind(path: Path, fix: Optional[str]) -> None:
+    """Refuse a file that cannot be a checkpoint at all (empty, or bytes that begin as
+    neither of torch.save's formats), naming it as such rather than as a torn one."""
+    with open(path, "rb") as f:
+        head = f.read(16)  # the magic, and enough to recognise text (an HTML error page)
+    if not head:
+        raise CheckpointError(f"checkpoint {path} is empty (0 bytes): no checkpoint was "
+                              f"written to it. {_fix(path, fix)}")
+    start = head[:len(_MAGIC[0])]
+    if not any(start.startswith(m) or m.startswith(start) for m in _MAGIC):
+        size = path.stat().st_size
+        raise CheckpointError(
+            f"{path} is not a checkpoint: its {size} bytes begin {head!r}, neither a zip "
+            f"archive nor a pickle, the formats torch.save writes. {_fix(path, fix)}")
 
 
 def verify(path: Path | str) -> None:
@@ -170,15 +198,24 @@ def verify(path: Path | str) -> None:
 
 
 def _corrupt(path: Path, exc: BaseException, fix: Optional[str] = None) -> CheckpointError:
-    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = str(exc)
+    if isinstance(exc, pickle.UnpicklingError) and "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]  # past torch's advice to load unsafely
+    reason = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     if isinstance(exc, OSError) and exc.errno == errno.EINVAL:
         reason = "not a complete checkpoint archive"  # what torch reports for a cut-off file
-    if fix is None:
-        other = path.with_name(BEST if path.name != BEST else LAST)
-        alternative = f"another checkpoint (e.g. resume={other})" if other.is_file() else \
-            "another checkpoint"
-        fix = f"Point resume= at {alternative}, or start afresh."
-    return CheckpointError(f"checkpoint {path} is truncated or corrupt ({reason}). {fix}")
+    return CheckpointError(f"checkpoint {path} is truncated or corrupt ({reason}). {_fix(path, fix)}")
+
+
+def _fix(path: Path, fix: Optional[str]) -> str:
+    """What to do about an unreadable checkpoint: ``fix``, or by default how to resume
+    from another one."""
+    if fix is not None:
+        return fix
+    other = path.with_name(BEST if path.name != BEST else LAST)
+    alternative = f"another checkpoint (e.g. resume={other})" if other.is_file() else \
+        "another checkpoint"
+    return f"Point resume= at {alternative}, or start afresh."
 
 
 def find(resume: Optional[str], run_dir: Path) -> Optional[Path]:
