@@ -32,7 +32,7 @@ def _top_k_name(entry: dict, metric: str) -> str:
 
 
 def test_save_top_k_keeps_the_two_best_through_a_resume(tmp_path):
-    args = [*ARGS, "trainer.save_top_k=2", "trainer.monitor=val/loss", "optimizer.lr=0.5"]
+    args = [*ARGS, "trainer.save_top_k=2", "trainer.monitor=val/loss", "optimizer.lr=0.1"]
     ckpts = tmp_path / "checkpoints"
     first = build_trainer(tmp_path, [*args, "trainer.max_epochs=2"]).fit()
     assert len(list(ckpts.glob("epoch*.pt"))) == 2

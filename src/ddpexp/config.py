@@ -68,6 +68,9 @@ class TrainerConfig:
     max_restarts: int = 0
     # Collective timeout: a stuck rank fails the run instead of hanging it.
     dist_timeout_s: float = 300.0
+    # A finite training loss this many times its start (the initial weights' loss) ends the
+    # run as diverged, like a NaN one (ddpexp.divergence has the rule); None = NaN/inf only.
+    divergence_factor: Optional[float] = 100.0
     log_every_n_steps: int = 20
     # Also write last.pt every N optimizer steps mid-epoch.
     ckpt_every_steps: Optional[int] = None
@@ -344,6 +347,9 @@ _RANGES = (
     ("trainer.ckpt_every_steps", 1, False, "optimizer steps between checkpoints; null = at epoch ends"),
     ("trainer.shutdown_grace_s", 0, False, "seconds to checkpoint after a stop signal"),
     ("trainer.rdzv_timeout_s", 0, True, "seconds the nodes wait for each other"),
+    ("trainer.divergence_factor", 1, True,
+     "how many times its start the training loss may rise to before the run counts as "
+     "diverged; null = only a NaN or infinite loss"),
     ("seed", 0, False, "the base seed"),
     ("optimizer.lr", 0, False, "the learning rate"),
     ("data.num_workers", 0, False, "DataLoader worker processes per rank"),

@@ -31,6 +31,7 @@ from ddpexp import checkpoint as ckpt_io
 from ddpexp import models, pruning
 from ddpexp.config import Strategy, TrainerConfig, trainer_config
 from ddpexp.data import DataSource, ResumableDistributedSampler
+from ddpexp.divergence import LossCeiling
 from ddpexp.dist import DistContext, derive_seed, rng_state, seed_everything, set_rng_state
 from ddpexp.ema import EMA
 from ddpexp.errors import ConfigError
@@ -75,6 +76,7 @@ class Trainer:
         # Where this rank is, for the launching process's stall watchdog (a no-op without one).
         self.beat = heartbeat_from_env(ctx.local_rank, ctx.restart, ctx.rank)
         self.task, self.data, self.seed = as_task(task), data, seed
+        self.ceiling = LossCeiling(cfg.divergence_factor)  # its start is set by the probe
         self.config = config or {}
         self.hparams = hparams or {}
         self.ckpt_dir = self.run_dir / "checkpoints"
@@ -287,16 +289,25 @@ class Trainer:
         n = min(PROBE_SAMPLES, len(self.train_sampler.dataset))
         dataset = self.train_sampler.dataset
         batch = default_collate([dataset[i] for i in range(n)])
+        failure = None
         try:
-            self._probe(batch)
-            return
+            out = self._probe(batch)
         except Exception as exc:  # noqa: BLE001 - retried below, in the model's own layout
             if not self._layout_on_trial:
                 raise
             failure = exc
+        if failure is not None:  # outside the handler: a second failure is told on its own
+            out = self._without_channels_last(batch, failure)
+        _metric_names(out, type(self.task).__name__, "training_step")
+        self.ceiling.set_start(float(out["loss"]))
+
+    def _without_channels_last(self, batch: Any, failure: Exception) -> Mapping[str, torch.Tensor]:
+        """The probe again in the model's own layout, after ``failure`` in channels_last:
+        the model's own error if it fails again, else the layout falls back (null) or the
+        run is refused (trainer.channels_last=true)."""
         self.memory_format = torch.preserve_format
         self.module.to(memory_format=torch.contiguous_format)
-        self._probe(batch)  # a failure here is the model's own, told as such
+        out = self._probe(batch)
         reason = _first_line(failure.__cause__ or failure)
         name = type(self.module).__name__
         if self.t.channels_last:
@@ -311,17 +322,18 @@ class Trainer:
                         "memory format instead. trainer.channels_last=false skips this trial; "
                         "with x.reshape/x.flatten(1) instead of x.view in its forward, "
                         "trainer.channels_last=true gives the faster layout", name, reason)
+        return out
 
-    def _probe(self, batch: Any) -> None:
+    def _probe(self, batch: Any) -> Any:
         """The task's check and training step of ``batch`` with the initial weights, off the
-        record (no grad, eval mode, the random streams restored). An error of the model
-        keeps its cause, so that HYDRA_FULL_ERROR=1 shows the model's own line."""
+        record (no grad, eval mode, the random streams restored); returns the step's metrics.
+        An error of the model keeps its cause, so that HYDRA_FULL_ERROR=1 shows its line."""
         with torch.random.fork_rng(devices=[]), torch.no_grad(), self._autocast():
             probe = self._to_device(batch)
             self.module.eval()
             try:
                 self.task.check(self.module, probe)
-                self.task.training_step(self.module, probe)
+                return self.task.training_step(self.module, probe)
             except (RuntimeError, IndexError) as exc:
                 raise ConfigError(
                     f"the model ({type(self.module).__name__}) cannot take a batch of the data "
@@ -370,7 +382,7 @@ class Trainer:
                 self._interrupt()
                 return
             val = self.evaluate(self.val_loader, "val")
-            if self.diverged:  # a non-finite loss since the last log step
+            if self.diverged:  # a loss that diverged since the last log step
                 self._diverge()
                 return
             if self.stopping:  # a signal arrived during the last steps or the validation
@@ -536,21 +548,27 @@ class Trainer:
             self.tb.scalars(self.step, {"time/first_step_s": time.time() - self.started})
 
     def _reduce(self, *values: torch.Tensor | float) -> list[float]:
-        """Sum scalars over all ranks in one collective. The stop flag and the count of
-        non-finite training metrics not yet logged ride along, so that all ranks agree on a
-        stop or a divergence where they already synchronise (log steps, validation)."""
+        """Sum scalars over all ranks in one collective. The stop flag, the count of
+        non-finite training metrics not yet logged and the training loss not yet logged ride
+        along, so that all ranks agree on a stop or a divergence (a loss that is not finite,
+        or past trainer.divergence_factor) where they already synchronise (log steps,
+        validation)."""
         pending = self._train_sums if self._train_sums is not None else torch.zeros(1, device=self.device)
         nonfinite = (~torch.isfinite(pending)).sum()
+        loss = pending[self._train_names.index("loss")] if self._train_sums is not None else 0.0
         parts = [torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(-1)
-                 for v in (*values, nonfinite, float(bool(self.stop)))]
+                 for v in (*values, nonfinite, loss, self._seen, float(bool(self.stop)))]
         stats = torch.cat(parts)
         if self.ctx.world_size > 1:
             dist.all_reduce(stats)
-        *sums, nonfinite_count, stop = stats.tolist()
+        *sums, nonfinite_count, loss_sum, seen, stop = stats.tolist()
         if stop:
             self.stopping = True
-        if nonfinite_count and self.diverged is None:
-            self._note_divergence()
+        if self.diverged is None:
+            if nonfinite_count:
+                self._note_divergence()
+            elif seen and self.ceiling.exceeded(loss_sum / seen):
+                self._note_divergence(loss_sum / seen)
         return sums
 
     def _means(self, names: list[str], sums: Sequence[float], count: float, prefix: str) -> dict[str, float]:
@@ -580,36 +598,49 @@ class Trainer:
         if self.bar is not None and "train/loss" in values:
             self.bar.set_postfix(loss=f"{values['train/loss']:.4f}", refresh=False)
 
-    def _note_divergence(self) -> None:
-        """Remember where the training loss stopped being finite (this rank's own value, or
-        the other ranks' when only theirs went)."""
-        loss = None
-        if self._train_sums is not None and self._train_names and "loss" in self._train_names:
-            loss = float(self._train_sums[self._train_names.index("loss")])
-        self.diverged = {"step": self.step, "epoch": self.epoch,
-                         "loss": loss if loss is not None and not math.isfinite(loss) else None}
+    def _note_divergence(self, exploded: Optional[float] = None) -> None:
+        """Remember where the training loss diverged: ``exploded``, the agreed finite loss
+        that rose past trainer.divergence_factor, or else where it stopped being finite
+        (this rank's own value, or the other ranks' when only theirs went)."""
+        loss = exploded
+        if loss is None and self._train_sums is not None and "loss" in (self._train_names or []):
+            own = float(self._train_sums[self._train_names.index("loss")])
+            loss = None if math.isfinite(own) else own
+        self.diverged = {"step": self.step, "epoch": self.epoch, "loss": loss}
+
+    def _exploded(self) -> bool:
+        """Whether the divergence is a finite loss past trainer.divergence_factor."""
+        loss = (self.diverged or {}).get("loss")
+        return loss is not None and math.isfinite(loss)
 
     def _diverge(self) -> None:
-        """Stop a run whose training loss is NaN or infinite; nothing is saved (last.pt and
-        best.pt keep the last finite weights)."""
+        """Stop a run whose training loss diverged; nothing is saved (last.pt and best.pt
+        keep the weights from before)."""
         self.status = "diverged"
         if self.ctx.is_main:
-            log.warning("epoch %d  step %d: the training loss is not finite; stopping",
-                        self.epoch, self.step)
+            log.warning("epoch %d  step %d: the training loss %s; stopping", self.epoch, self.step,
+                        "rose past trainer.divergence_factor times its start" if self._exploded()
+                        else "is not finite")
 
     def divergence_message(self) -> str:
         """What happened and what to try, for the log and the run's failure."""
         d = self.diverged or {}
         what = {None: "NaN or infinite"}.get(d.get("loss"), str(d.get("loss")).replace("nan", "NaN"))
+        why = ""
+        if self._exploded():
+            what = f"{d['loss']:.4g}"
+            why = (f", over trainer.divergence_factor={self.ceiling.factor:g} times its start "
+                   f"({self.ceiling.start:.4g})")
         lr = self.optimizer.param_groups[0]["lr"]
-        saved = (f"checkpoints/last.pt keeps the last finite weights (step {self._last_saved_step})"
+        kept = "the weights from before the rise" if self._exploded() else "the last finite weights"
+        saved = (f"checkpoints/last.pt keeps {kept} (step {self._last_saved_step})"
                  if self._last_saved_step is not None else "no checkpoint had been written yet")
         fixes = f"a smaller optimizer.lr (the last step used {lr:g}) or trainer.grad_clip=1.0"
         if str(self.t.precision) != "32":
             fixes += ", or trainer.precision=32"
         return (
             f"training diverged: the training loss became {what} by step {d.get('step')} "
-            f"(epoch {d.get('epoch')}), so the run was stopped; {saved}. Try {fixes}"
+            f"(epoch {d.get('epoch')}){why}, so the run was stopped; {saved}. Try {fixes}"
         )
 
     def evaluate(self, loader: Any, prefix: str = "val") -> dict[str, float]:
