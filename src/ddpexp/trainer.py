@@ -188,8 +188,9 @@ class Trainer:
         channels_last = t.channels_last
         if channels_last is None:
             channels_last = _channels_last_pays(model, self.device, str(t.precision))
-        # A layout the user did not ask for, or one asked for of a model not known to take
-        # it, is confirmed by the probe batch (_check_batch) before training.
+        # The probe batch (_check_batch) puts channels_last on trial where the default chose
+        # it for a model not known to take it, and where it was asked for (so that a model
+        # it breaks is told which key to change).
         self._layout_on_trial = bool(channels_last) and (
             t.channels_last is True or not models.channels_last_safe(model))
         self.memory_format = torch.channels_last if channels_last else torch.preserve_format
