@@ -22,7 +22,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from ddpexp.config import env_flag, to_plain, validate
+from ddpexp.config import command_line_override, env_flag, to_plain, validate
 from ddpexp.errors import ConfigError, DdpexpError, RunDiverged, RunFailed, RunInterrupted
 from ddpexp.failures import guard_run
 from ddpexp.resources import check_resources, oom_kills
@@ -483,7 +483,7 @@ def _resume_hint(run_dir: Path, hydra_cfg: Any) -> str:
         hydra_cfg = HydraConfig.get()
     overrides = list(hydra_cfg.overrides.task) if hydra_cfg is not None else []
     kept = [o for o in overrides if not o.split("=", 1)[0].lstrip("+~") in ("resume", "hydra.run.dir")]
-    args = " ".join(shlex.quote(a) for a in [f"resume={run_dir}", *kept])
+    args = " ".join([command_line_override("resume", run_dir), *map(shlex.quote, kept)])
     return (
         f"the last checkpoint is in {run_dir}/checkpoints. Continue it with:\n"
         f"  python -m ddpexp {args}"

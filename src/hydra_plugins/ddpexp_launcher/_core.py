@@ -41,6 +41,8 @@ from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrid
 from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from ddpexp.config import command_line_override
+
 log = logging.getLogger("hydra_plugins.ddpexp_launcher")
 
 POLL_S = 0.1
@@ -178,7 +180,7 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
     if pool.stopped:
         raise SweepInterrupted(
             f"the sweep was stopped by {pool.stopped}. To finish it, run the same command "
-            f"with: resume=auto hydra.sweep.dir={sweep_dir}"
+            f"with: resume=auto {command_line_override('hydra.sweep.dir', sweep_dir)}"
         )
     return [j.ret for j in jobs]  # type: ignore[misc]
 
