@@ -28,6 +28,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
 
 from ddpexp import pruning
+from ddpexp.config import command_line_override
 from ddpexp.errors import ConfigError
 from hydra_plugins.ddpexp_launcher import _core
 from hydra_plugins.ddpexp_launcher.ddp_launcher import DdpLauncher
@@ -177,7 +178,7 @@ class _Search:
         if pool.stopped:
             raise _core.SweepInterrupted(
                 f"the search was stopped by {pool.stopped}. To continue it, run the same "
-                f"command with: resume=auto hydra.sweep.dir={self.sweep_dir}")
+                f"command with: resume=auto {command_line_override('hydra.sweep.dir', self.sweep_dir)}")
         if self.failed and self.launcher.fail_fast:
             raise SearchStopped("the search stopped at the first failed trial "
                                 "(hydra.launcher.fail_fast=true); see the failures above")
