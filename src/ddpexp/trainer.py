@@ -594,6 +594,7 @@ class Trainer:
             sums.add_(torch.stack([out[k].detach().double() for k in names]), alpha=n)
             count += n
         *totals, count = self._reduce(sums, count)
+        self.evaluated_samples = int(count)  # all ranks' (fewer than the split's with a limit)
         return self._means(names, totals, count, prefix)
 
     def _test(self) -> None:
@@ -647,7 +648,7 @@ class Trainer:
         # The weights just loaded are the ones to evaluate (with EMA, the averaged ones of
         # that checkpoint), not the run's current average.
         values = self._evaluate(self.eval_loader(dataset), split)
-        return {"metrics": values, "epoch": int(epoch), "samples": len(dataset)}
+        return {"metrics": values, "epoch": int(epoch), "samples": self.evaluated_samples}
 
     def _sync_buffers(self) -> None:
         """Give every rank rank 0's buffers (BatchNorm statistics) before evaluating, so all
