@@ -144,6 +144,8 @@ def run(cfg: DictConfig) -> Optional[float]:
     log.info("%d worker(s)%s: strategy=%s, %s", plan.world_size,
              " (SLURM tasks)" if _slurm_ranks() else "", plan.strategy,
              f"{plan.gpus} GPU(s) per node" if plan.gpus else "CPU")
+    if resume is None and cfg.resume == "auto":
+        log.info("resume=auto: no checkpoint in %s, starting from scratch", run_dir / "checkpoints")
     started = time.time()
     preempt = Preemption()
     try:
