@@ -30,6 +30,10 @@ from ddpexp.watchdog import Watchdog
 
 log = logging.getLogger("ddpexp")
 
+# Where a launcher that starts each sweep job in a process of its own (ddpexp's) puts the time
+# it started it, so that the run's wall time counts the job's start-up too.
+JOB_STARTED_ENV = "DDPEXP_JOB_STARTED"
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -110,8 +114,10 @@ def run(cfg: DictConfig) -> Optional[float]:
     from hydra.core.hydra_config import HydraConfig
 
     from ddpexp import checkpoint
+    from ddpexp.trainer import write_metrics
     from ddpexp.worker import WorkerPayload
 
+    started = _run_started()
     validate(cfg)
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
@@ -146,7 +152,6 @@ def run(cfg: DictConfig) -> Optional[float]:
              f"{plan.gpus} GPU(s) per node" if plan.gpus else "CPU")
     if resume is None and cfg.resume == "auto":
         log.info("resume=auto: no checkpoint in %s, starting from scratch", run_dir / "checkpoints")
-    started = time.time()
     preempt = Preemption()
     try:
         result = dispatch(plan, cfg, payload)
@@ -159,6 +164,8 @@ def run(cfg: DictConfig) -> Optional[float]:
         raise
     if result is None:  # not global rank 0 of a SLURM step
         return None
+    result["wall_time_s"] = round(time.time() - started, 3)
+    write_metrics(run_dir, result)
     if result["status"] == "interrupted":
         by = result.get("stopped_by")
         preempt.requeue(by)
@@ -186,6 +193,15 @@ def _diverged(result: dict, hydra_cfg: Any) -> float:
         raise RunDiverged(message)
     log.error("%s", message)
     return float("-inf") if result.get("monitor_mode") == "max" else float("inf")
+
+
+def _run_started() -> float:
+    """When this run started, for its wall time: when the launcher started the sweep job's
+    process (:data:`JOB_STARTED_ENV`), else now."""
+    try:
+        return float(os.environ[JOB_STARTED_ENV])
+    except (KeyError, ValueError):
+        return time.time()
 
 
 def _resolve_monitor(plain: dict) -> None:
@@ -504,7 +520,7 @@ def _record_failure(run_dir: Path, exc: Exception, started: float) -> None:
         return
     data.update(status="interrupted" if isinstance(exc, RunInterrupted) else "failed",
                 error=str(exc))
-    data.setdefault("wall_time_s", round(time.time() - started, 3))
+    data["wall_time_s"] = round(time.time() - started, 3)
     from ddpexp.trainer import write_metrics
 
     write_metrics(run_dir, data)

@@ -52,7 +52,10 @@ class Row:
     test: Optional[float] = None
     epochs: Optional[int] = None
     steps: Optional[int] = None
+    # The run's wall time, start-up included (a sweep job's from the launcher's start of its
+    # process); train_time_s is the training loop's part of it.
     wall_time_s: Optional[float] = None
+    train_time_s: Optional[float] = None
     error: Optional[str] = None
     dir: Optional[str] = None
     # The final validation metrics and the test metrics, whatever the task names them
@@ -97,6 +100,7 @@ def read_run(run_dir: Path, job: Optional[str] = None) -> Row:
     row.epochs = data.get("epochs")
     row.steps = data.get("steps")
     row.wall_time_s = _number(data.get("wall_time_s"))
+    row.train_time_s = _number(data.get("train_time_s"))
     row.error = data.get("error")
     for part in ("final", "test"):
         values = data.get(part) or {}
@@ -282,7 +286,17 @@ def format_groups(groups: Sequence[Group], fmt: str = "text") -> str:
 
 
 def _without_seed(overrides: Sequence[str]) -> list[str]:
-    return [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != "seed"]
+    return [o for o in overrides if _key(o) != "seed"]
+
+
+def own_overrides(overrides: Sequence[str]) -> list[str]:
+    """``overrides`` without ``resume=``: it says how a run was continued (a resumed sweep's
+    jobs all get ``resume=auto``), not what the run is."""
+    return [str(o) for o in overrides if _key(str(o)) != "resume"]
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
 
 
 def _value(row: Row, name: str) -> Optional[float]:
@@ -387,7 +401,7 @@ def _read_overrides(run_dir: Path) -> list[str]:
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError):
         return []
-    return [str(o) for o in data or []]
+    return own_overrides(data or [])
 
 
 def _read_seed(run_dir: Path) -> Optional[int]:

@@ -921,7 +921,8 @@ class Trainer:
             "best": {self.monitor: self.best_value, "epoch": self.best_epoch},
             "history": self.history,
             "world_size": self.ctx.world_size,
-            "wall_time_s": round(time.time() - self.started, 3),
+            # The loop's part; the run's parent adds the whole run's wall_time_s at its end.
+            "train_time_s": round(time.time() - self.started, 3),
             **({"stopped_by": self.stop.name} if self.status == "interrupted" and self.stop else {}),
             **({"test": self.test_metrics} if self.test_metrics else {}),
             **({"diverged_at_step": self.diverged["step"], "error": self.divergence_message()}
