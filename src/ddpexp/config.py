@@ -8,21 +8,27 @@ config is composed, before anything runs. What users swap (``model``, ``data``, 
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import shlex
 import shutil
-from dataclasses import dataclass, field
+import tempfile
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.singleton import Singleton
 from hydra.errors import HydraException
-from omegaconf import MISSING, DictConfig, OmegaConf
+from hydra.version import VersionBase
+from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
 from ddpexp.errors import ConfigError
+from ddpexp.monitor import fill_monitor
 
 
 class Strategy(Enum):
@@ -198,8 +204,6 @@ def writable_dir_problem(path: Path) -> Optional[str]:
         probe = probe.parent
     if not probe.is_dir():
         return f"cannot create the run dir {path}: {probe} is not a directory"
-    import tempfile
-
     try:
         with tempfile.TemporaryFile(dir=probe):
             pass
@@ -247,13 +251,6 @@ def compose_single_process(overrides: list[str], config_dir: Optional[Path] = No
     trainer built in this process: one process (``strategy=single``), the task's monitor
     filled in as a run's parent does. ``config_dir`` is a user's own config dir
     (``--config-dir``). For tests and measurements that build the trainer directly."""
-    from hydra import compose, initialize_config_module
-    from hydra.core.singleton import Singleton
-    from hydra.version import VersionBase
-    from omegaconf import open_dict
-
-    from ddpexp.launch import _resolve_monitor
-
     register_configs()
     extra = [f"hydra.searchpath=[file://{config_dir}]"] if config_dir else []
     try:
@@ -267,7 +264,7 @@ def compose_single_process(overrides: list[str], config_dir: Optional[Path] = No
         cfg.pop("hydra", None)
     plain = to_plain(cfg)
     plain["trainer"]["strategy"] = "single"
-    _resolve_monitor(plain)
+    fill_monitor(plain)
     return plain
 
 
@@ -389,9 +386,6 @@ def unknown_trainer_keys(args: list[str]) -> Optional[str]:
     """A message for ``trainer.KEY=...`` overrides whose KEY is no trainer key, naming the
     closest one. Hydra rejects them too, but suggests ``+trainer.KEY`` (adding a key the
     trainer never reads), which is the wrong fix for a typo."""
-    import difflib
-    from dataclasses import fields
-
     known = [f.name for f in fields(TrainerConfig)]
     problems = []
     for arg in args:

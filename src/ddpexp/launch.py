@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 from ddpexp.config import command_line_override, env_flag, to_plain, validate
 from ddpexp.errors import ConfigError, DdpexpError, RunDiverged, RunFailed, RunInterrupted
 from ddpexp.failures import guard_run
+from ddpexp.monitor import fill_monitor
 from ddpexp.resources import check_resources, oom_kills
 from ddpexp.watchdog import Watchdog
 
@@ -128,7 +129,7 @@ def run(cfg: DictConfig) -> Optional[float]:
     except OmegaConfBaseException as exc:
         raise ConfigError(f"the config does not resolve: {exc}") from None
     plain["trainer"].update(strategy=plan.strategy, procs=plan.procs)
-    _resolve_monitor(plain)
+    fill_monitor(plain)
     resume = checkpoint.find(cfg.resume, run_dir)
     if resume is None and cfg.resume is None and under_submitit():
         # A submitit job requeued after SLURM's pre-timeout signal runs again in its own job
@@ -202,29 +203,6 @@ def _run_started() -> float:
         return float(os.environ[JOB_STARTED_ENV])
     except (KeyError, ValueError):
         return time.time()
-
-
-def _resolve_monitor(plain: dict) -> None:
-    """Fill ``trainer.monitor``/``monitor_mode`` left null with the task's defaults, so that
-    every reader (workers, metrics.json, the sweep summary, sweepers) sees the same names."""
-    from ddpexp.task import task_defaults
-
-    t = plain["trainer"]
-    if t.get("monitor") is None or t.get("monitor_mode") is None:
-        monitor, mode = task_defaults(plain["task"]["_target_"])
-        if t.get("monitor") is None:
-            t["monitor"] = monitor
-            if t.get("monitor_mode") is None:
-                t["monitor_mode"] = mode
-        elif t.get("monitor_mode") is None:
-            # A monitor of the user's own choice: loss-like names are minimised.
-            t["monitor_mode"] = mode if t["monitor"] == monitor else _guess_mode(t["monitor"])
-
-
-def _guess_mode(monitor: str) -> str:
-    name = monitor.rsplit("/", 1)[-1].lower()
-    return "max" if any(k in name for k in ("acc", "f1", "auc", "precision", "recall", "score",
-                                            "iou", "dice", "r2", "bleu")) else "min"
 
 
 def under_submitit() -> bool:

@@ -30,6 +30,7 @@ from omegaconf import OmegaConf
 from ddpexp import pruning
 from ddpexp.config import command_line_override
 from ddpexp.errors import ConfigError
+from ddpexp.monitor import resolve_monitor
 from hydra_plugins.ddpexp_launcher import _core
 from hydra_plugins.ddpexp_launcher.ddp_launcher import DdpLauncher
 from hydra_plugins.ddpexp_optuna_sweeper import _space
@@ -70,14 +71,9 @@ def run(sweeper: Any, arguments: List[str]) -> Optional[dict]:
 
 def _monitored(config: Any) -> tuple:
     """``(trainer.monitor, trainer.monitor_mode)``, the task's own where they are null."""
-    monitor = OmegaConf.select(config, "trainer.monitor", default=None)
-    mode = OmegaConf.select(config, "trainer.monitor_mode", default=None)
-    if monitor is None or mode is None:
-        from ddpexp.task import task_defaults
-
-        task_monitor, task_mode = task_defaults(str(OmegaConf.select(config, "task._target_")))
-        monitor, mode = monitor or task_monitor, mode or task_mode
-    return str(monitor), str(getattr(mode, "value", mode))
+    return resolve_monitor(str(OmegaConf.select(config, "task._target_")),
+                           OmegaConf.select(config, "trainer.monitor", default=None),
+                           OmegaConf.select(config, "trainer.monitor_mode", default=None))
 
 
 def _direction(sweeper: Any, config: Any) -> str:
