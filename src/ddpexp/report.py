@@ -24,12 +24,14 @@ import argparse
 import csv
 import io
 import json
+import statistics
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-METRICS_FILE = "metrics.json"
+from ddpexp.record import METRICS_FILE, UnreadableRecord, read_metrics
+
 FORMATS = ("text", "md", "csv", "json")
 NO_METRICS = "no metrics"
 # Columns of every format, in order (csv/json use the field names, text/md the titles).
@@ -77,17 +79,12 @@ def read_run(run_dir: Path, job: Optional[str] = None) -> Row:
     run_dir = Path(run_dir)
     row = Row(job=job if job is not None else run_dir.name, dir=str(run_dir),
               overrides=_read_overrides(run_dir), seed=_read_seed(run_dir))
-    path = run_dir / METRICS_FILE
-    if not path.is_file():
-        return row
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        row.status, row.error = "unreadable", f"{path}: {exc}"
+        data = read_metrics(run_dir)
+    except FileNotFoundError:
         return row
-    if not isinstance(data, dict):
-        row.status = "unreadable"
-        row.error = f"{path} holds a JSON {type(data).__name__}, not a run's metrics object"
+    except UnreadableRecord as exc:
+        row.status, row.error = "unreadable", str(exc)
         return row
     monitor = data.get("monitor")
     if not isinstance(monitor, str):
@@ -219,8 +216,6 @@ class Group:
 def group_seeds(rows: Sequence[Row]) -> list[Group]:
     """One :class:`Group` per configuration: rows whose overrides are the same once ``seed``
     is left out. Best mean monitored value first."""
-    import statistics
-
     groups: dict[tuple, list[Row]] = {}
     for row in rows:
         groups.setdefault(tuple(sorted(_without_seed(row.overrides))), []).append(row)

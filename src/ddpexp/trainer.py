@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import logging
 import math
 import os
@@ -34,6 +33,7 @@ from ddpexp.data import DataSource, ResumableDistributedSampler
 from ddpexp.dist import DistContext, derive_seed, rng_state, seed_everything, set_rng_state
 from ddpexp.ema import EMA
 from ddpexp.errors import ConfigError
+from ddpexp.record import write_metrics
 from ddpexp.signals import StopRequested
 from ddpexp.task import Task
 from ddpexp.topk import TopK
@@ -42,7 +42,6 @@ from ddpexp.watchdog import (BACKWARD, CHECKPOINT, DATA, FORWARD, OPTIMIZER, VAL
 
 log = logging.getLogger("ddpexp")
 
-METRICS_FILE = "metrics.json"
 # Training samples run through the task's checks before the first step.
 PROBE_SAMPLES = 64
 CHECKPOINT_FORMAT = 2
@@ -1033,30 +1032,3 @@ def _schedule_progress(state: dict) -> dict:
     if "lr_lambdas" not in state:
         return state
     return {**state, "lr_lambdas": [None] * len(state["lr_lambdas"])}
-
-
-def write_metrics(run_dir: Path, result: dict) -> None:
-    """Atomically replace ``run_dir/metrics.json``. NaN and infinite values are written as
-    ``null``: JSON has no such numbers, and a bare ``NaN`` breaks strict readers."""
-    path = Path(run_dir) / METRICS_FILE
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    text = json.dumps(_finite(result), indent=2, default=float, allow_nan=False)
-    try:
-        tmp.write_text(text + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _finite(value: Any) -> Any:
-    """``value`` with every non-finite float (at any depth) replaced by None."""
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value

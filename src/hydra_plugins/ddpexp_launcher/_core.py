@@ -22,7 +22,6 @@ starts a new trial the moment a slot frees.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import pickle
@@ -44,7 +43,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ddpexp.config import command_line_override
 from ddpexp.errors import RunInterrupted
-from ddpexp.launch import JOB_STARTED_ENV
+from ddpexp.record import JOB_STARTED_ENV, read_metrics_or_empty
 
 log = logging.getLogger("hydra_plugins.ddpexp_launcher")
 
@@ -316,7 +315,6 @@ def _check_resume(job: Job) -> None:
     """``resume=auto`` into an existing sweep dir: a job whose dir holds a completed run of
     the same overrides is done; one with other overrides is refused (it is another sweep)."""
     assert job.dir is not None and job.config is not None
-    metrics_path = job.dir / "metrics.json"
     overrides_path = job.dir / ".hydra" / "overrides.yaml"
     if overrides_path.is_file():
         import yaml
@@ -329,12 +327,7 @@ def _check_resume(job: Job) -> None:
                 f"{job.dir} holds a run with overrides {' '.join(before)}, not "
                 f"{' '.join(now)}: resume a sweep with the overrides it was started with"))
             return
-    if not metrics_path.is_file():
-        return
-    try:
-        metrics = json.loads(metrics_path.read_text())
-    except (OSError, ValueError):
-        return
+    metrics = read_metrics_or_empty(job.dir)
     if metrics.get("status") != "completed":
         return
     monitor = metrics.get("monitor")
@@ -455,14 +448,14 @@ def _finish(job: Job) -> None:
         exc = ret._return_value
         if job.timed_out:
             ret._return_value = JobFailed(f"job {job.idx} ran over hydra.launcher.timeout_s "
-                                          f"and was stopped: {_cause(ret)}")
+                                          f"and was stopped: {cause_of(ret)}")
         elif not isinstance(exc, CompactHydraException):
             # Re-raised here, the exception would show a traceback of the launcher, not of
             # the job; the job's traceback is in its log.
             log_file = Path(ret.working_dir or job.dir or ".") / f"{ret.task_name or 'job'}.log"
             if job.dir is not None and job.config is not None:
                 log_file = job.dir / f"{job.config.hydra.job.name}.log"
-            wrapped = JobFailed(f"job {job.idx} failed with {_cause(ret)}\n"
+            wrapped = JobFailed(f"job {job.idx} failed with {cause_of(ret)}\n"
                                 f"(its traceback is in {log_file})")
             wrapped.original = exc  # type: ignore[attr-defined]
             ret._return_value = wrapped
@@ -513,7 +506,8 @@ class _StopSignals:
 
 
 # ------------------------------------------------------------------------------ summary
-def _cause(ret: JobReturn) -> str:
+def cause_of(ret: JobReturn) -> str:
+    """Why a job did not complete, in one message (its own, for ddpexp's and Hydra's errors)."""
     exc = ret._return_value
     if isinstance(exc, CompactHydraException):
         return str(exc)
@@ -522,7 +516,7 @@ def _cause(ret: JobReturn) -> str:
 
 def _listed(jobs: List[Job]) -> str:
     """Each job's label and, indented below it, its cause."""
-    return "\n".join(f"  {j.label}\n      " + _cause(j.ret).strip().replace("\n", "\n      ")  # type: ignore[arg-type]
+    return "\n".join(f"  {j.label}\n      " + cause_of(j.ret).strip().replace("\n", "\n      ")  # type: ignore[arg-type]
                      for j in jobs)
 
 
@@ -537,7 +531,7 @@ def report(launcher: Any, jobs: List[Job], sweep_dir: Path) -> None:
         key = str(job.config.hydra.sweep.subdir) if job.config is not None else str(job.idx)
         outcome = job.outcome
         launcher.outcomes[key] = (job.overrides, outcome,
-                                  None if outcome == "completed" else _cause(job.ret),
+                                  None if outcome == "completed" else cause_of(job.ret),
                                   round(job.ended - job.started, 3) if job.ended else None)
     rows = {r.job: r for r in report.collect(sweep_dir)}
     for key, (overrides, outcome, cause, wall) in launcher.outcomes.items():
@@ -569,4 +563,4 @@ def report(launcher: Any, jobs: List[Job], sweep_dir: Path) -> None:
                     _listed(interrupted))
     if skipped:
         log.error("%d of %d job(s) not run (%s)", len(skipped), len(jobs),
-                  _cause(skipped[0].ret).removeprefix("not run: "))  # type: ignore[arg-type]
+                  cause_of(skipped[0].ret).removeprefix("not run: "))  # type: ignore[arg-type]

@@ -17,7 +17,6 @@ where ddpexp continues its ``last.pt``, and asks only what ``n_trials`` still la
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
@@ -31,6 +30,7 @@ from ddpexp import pruning
 from ddpexp.config import command_line_override
 from ddpexp.errors import ConfigError
 from ddpexp.monitor import resolve_monitor
+from ddpexp.record import read_metrics_or_empty
 from hydra_plugins.ddpexp_launcher import _core
 from hydra_plugins.ddpexp_launcher.ddp_launcher import DdpLauncher
 from hydra_plugins.ddpexp_optuna_sweeper import _space
@@ -235,7 +235,7 @@ class _Search:
             if pool.stopped:
                 return  # cut off: RUNNING in the study, resumed by resume=auto
             self.failed = True
-            self._tell_state(job.idx, "fail", _core._cause(ret))
+            self._tell_state(job.idx, "fail", _core.cause_of(ret))
             return
         value = ret._return_value
         if status == "pruned":
@@ -286,9 +286,4 @@ class _Search:
 
 
 def _metrics(job: _core.Job) -> dict:
-    if job.dir is None:
-        return {}
-    try:
-        return json.loads((job.dir / "metrics.json").read_text())
-    except (OSError, ValueError):
-        return {}
+    return read_metrics_or_empty(job.dir) if job.dir is not None else {}
