@@ -3,7 +3,6 @@ process of it outlives the test."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,6 +13,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import pytest
+
+# The tests read a run's metrics.json as ddpexp itself does (from conftest import read_metrics).
+from ddpexp.record import read_metrics  # noqa: F401
 
 # Small, fast settings shared by the end-to-end tests.
 FAST = ["trainer.max_epochs=2", "trainer.log_every_n_steps=5"]
@@ -104,8 +106,6 @@ def only_run_dir(root: Path) -> Path:
     return dirs[0]
 
 
-def read_metrics(run_dir: Path) -> dict:
-    return json.loads((run_dir / "metrics.json").read_text())
 
 
 def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:

@@ -120,4 +120,5 @@ def test_resume_auto_without_checkpoint_starts_afresh(workdir):
     res = run_cli([*TINY, "trainer.max_steps=3", "resume=auto", f"hydra.run.dir={run_dir}"],
                   workdir)
     assert "resumed from" not in res.output
+    assert f"resume=auto: no checkpoint in {run_dir}/checkpoints, starting from scratch" in res.output
     assert read_metrics(run_dir)["steps"] == 3

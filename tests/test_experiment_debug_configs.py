@@ -86,6 +86,17 @@ def test_limits_count_batches_per_worker(tmp_path):
     assert seen == [2, 2]  # two validation batches at each of the two epoch ends
 
 
+def test_the_test_line_counts_the_samples_evaluated(tmp_path, caplog):
+    # debug=fast evaluates 2 batches: 100 of the digits' 180 test samples.
+    trainer = build_trainer(tmp_path, ["debug=fast", "data.batch_size=50"])
+    with caplog.at_level("INFO", logger="ddpexp"):
+        trainer.fit()
+    assert "test (best.pt, epoch 0, 100 samples)" in caplog.text
+    assert trainer.evaluate_checkpoint(tmp_path / "checkpoints" / "best.pt")["samples"] == 100
+    trainer.t.limit_val_batches = None  # the whole split
+    assert trainer.evaluate_checkpoint(tmp_path / "checkpoints" / "best.pt")["samples"] == 180
+
+
 class _Counting:
     """A loader that records how many batches each pass over it yielded."""
 

@@ -166,13 +166,23 @@ def test_interrupted_sweep_resumes(workdir: Path) -> None:
     while not (sweep_dir / "1" / "checkpoints" / "last.pt").exists():
         assert proc.poll() is None and time.time() < deadline, "job 1 never saved a checkpoint"
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGINT)  # Ctrl-C: the sweep stops its jobs with SIGTERM
     res = finish(proc, timeout=120)
     assert not res.leftovers
     assert res.returncode != 0 and "resume=auto" in res.output
     assert read_metrics(sweep_dir / "0")["status"] == "completed"
     assert read_metrics(sweep_dir / "1")["status"] == "interrupted"
     assert not (sweep_dir / "2").exists()
+    # The stopped job is called interrupted, by the signal it got, never failed.
+    assert "#1 ended (interrupted by SIGTERM)" in res.output
+    assert "1 of 3 job(s) interrupted" in res.output and "the sweep was stopped by SIGINT" in res.output
+    assert not re.search(r"fail", res.output.replace("HYDRA_FULL_ERROR", ""), re.I), res.output
+    rows = {r["job"]: r for r in summary_rows(sweep_dir)}
+    assert [rows[j]["status"] for j in "012"] == ["completed", "interrupted", "not run"]
+    # Wall time is the job's as the launcher saw it, start-up included; train time is less.
+    seen = float(re.search(r"#0 ended \(completed\) after ([\d.]+) s", res.output).group(1))
+    wall, train = float(rows["0"]["wall_time_s"]), float(rows["0"]["train_time_s"])
+    assert seen - 1.0 < wall <= seen + 0.05 and train < wall
     before = _mtimes(sweep_dir / "0")
 
     res = run_cli([*args, "resume=auto"], workdir, timeout=300)
@@ -182,8 +192,44 @@ def test_interrupted_sweep_resumes(workdir: Path) -> None:
     assert m1["status"] == "completed" and m1["steps"] == 300
     assert (sweep_dir / "1" / ".hydra" / "resume-1" / "config.yaml").is_file()
     assert read_metrics(sweep_dir / "2")["status"] == "completed"
+    assert (f"resume=auto: no checkpoint in {sweep_dir}/2/checkpoints, starting from scratch"
+            in (sweep_dir / "2" / "ddpexp.log").read_text())
     rows = summary_rows(sweep_dir)
     assert [r["status"] for r in rows] == ["completed"] * 3
+    # Job 2 first ran in the resumed sweep, with its resume=auto: not one of its overrides.
+    rows = {r["job"]: r for r in rows}
+    assert "resume=auto" in (sweep_dir / "2" / ".hydra" / "overrides.yaml").read_text()
+    assert rows["2"]["overrides"] == rows["0"]["overrides"] and "resume" not in rows["2"]["overrides"]
+
+
+def test_a_job_killed_while_the_sweep_stops_is_interrupted(tmp_path: Path, caplog) -> None:
+    """A job process that dies of the launcher's SIGTERM before it could report (still
+    starting, say) was interrupted with the sweep: its row and the log say so."""
+    import subprocess
+    import sys
+
+    from hydra_plugins.ddpexp_launcher import _core
+    from hydra_plugins.ddpexp_launcher.ddp_launcher import DdpLauncher
+
+    launcher = DdpLauncher(kill_grace_s=30)
+    job = _core.Job(idx=1, overrides=["seed=1"], dir=tmp_path / "1",
+                    files=[str(tmp_path / "spec"), str(tmp_path / "result")])
+    job.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                process_group=0)
+    job.started = time.time()
+    stop = _core._StopSignals()
+    stop.signal_name = "SIGINT"  # what its handler records on Ctrl-C
+    with caplog.at_level("INFO", logger="hydra_plugins.ddpexp_launcher"):
+        _core._enforce_limits(launcher, job, stop)  # sends SIGTERM to the job's group
+        job.proc.wait(timeout=30)
+        _core._finish(job)
+        _core.report(launcher, [job], tmp_path)
+    assert (job.outcome, job.interrupted_by) == ("interrupted", "SIGTERM")
+    assert "#1 ended (interrupted by SIGTERM)" in caplog.text
+    assert "1 of 1 job(s) interrupted" in caplog.text and "failed" not in caplog.text
+    (row,) = summary_rows(tmp_path)
+    assert row["status"] == "interrupted" and "killed by SIGTERM" in row["error"]
+    assert float(row["wall_time_s"]) > 0
 
 
 def test_slices_are_disjoint_and_jobs_wait_for_gpus() -> None:

@@ -49,6 +49,17 @@ def test_collect_sorts_best_first_and_keeps_runs_without_metrics(tmp_path: Path)
     assert len(md) == 2 + 4 and md[2].startswith("| 1 | lr=0.2 | completed | 0.8000 | 0.9000 |")
 
 
+def test_a_resumed_job_shows_its_own_overrides_and_both_times(tmp_path: Path) -> None:
+    # A job first run by a resumed sweep has the resume=auto the sweep was given.
+    fake_run(tmp_path / "0", ["lr=0.1"], {**metrics(0.5, 0.4), "train_time_s": 0.3})
+    fake_run(tmp_path / "1", ["lr=0.2", "resume=auto"], metrics(0.6, 0.6))
+    rows = {r.job: r for r in report.collect(tmp_path)}
+    assert rows["0"].overrides == ["lr=0.1"] and rows["1"].overrides == ["lr=0.2"]
+    assert (rows["0"].wall_time_s, rows["0"].train_time_s) == (1.5, 0.3)
+    assert "resume" not in report.format_rows(list(rows.values()), "text")
+    assert report.own_overrides(["+resume=x", "seed=1", "~resume"]) == ["seed=1"]
+
+
 def test_min_mode_sorts_ascending(tmp_path: Path) -> None:
     fake_run(tmp_path / "0", ["lr=1"], metrics(0.3, 0.3, "min", "val/loss"))
     fake_run(tmp_path / "1", ["lr=2"], metrics(0.1, 0.2, "min", "val/loss"))

@@ -93,11 +93,12 @@ def test_config_reference_lists_every_sweeper_key() -> None:
 
 
 class _Sweeper:
-    def __init__(self, direction=None, monitor_mode=None, task="ddpexp.task.Classification"):
+    def __init__(self, direction=None, monitor_mode=None, task="ddpexp.task.Classification",
+                 monitor=None):
         from omegaconf import OmegaConf
 
         self.direction = direction
-        self.config = OmegaConf.create({"trainer": {"monitor_mode": monitor_mode},
+        self.config = OmegaConf.create({"trainer": {"monitor": monitor, "monitor_mode": monitor_mode},
                                         "task": {"_target_": task}})
 
 
@@ -109,6 +110,8 @@ def test_direction_follows_the_monitored_metric_unless_given() -> None:
     assert direction(_Sweeper(task="ddpexp.task.Regression")) == "minimize"  # val/mse
     assert direction(_Sweeper(monitor_mode="min")) == "minimize"
     assert direction(_Sweeper(direction="maximize", monitor_mode="min")) == "maximize"
+    # A monitor of the user's own: the mode its run resolves (loss-like names are minimised).
+    assert direction(_Sweeper(monitor="val/loss")) == "minimize"
     with pytest.raises(ConfigError, match="direction=up is not one of maximize, minimize"):
         direction(_Sweeper(direction="up"))
 

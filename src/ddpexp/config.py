@@ -8,17 +8,27 @@ config is composed, before anything runs. What users swap (``model``, ``data``, 
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
+import shlex
 import shutil
-from dataclasses import dataclass, field
+import tempfile
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
+from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.singleton import Singleton
+from hydra.errors import HydraException
+from hydra.version import VersionBase
+from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
 from ddpexp.errors import ConfigError
+from ddpexp.monitor import fill_monitor
 
 
 class Strategy(Enum):
@@ -197,8 +207,6 @@ def writable_dir_problem(path: Path) -> Optional[str]:
         probe = probe.parent
     if not probe.is_dir():
         return f"cannot create the run dir {path}: {probe} is not a directory"
-    import tempfile
-
     try:
         with tempfile.TemporaryFile(dir=probe):
             pass
@@ -246,13 +254,6 @@ def compose_single_process(overrides: list[str], config_dir: Optional[Path] = No
     trainer built in this process: one process (``strategy=single``), the task's monitor
     filled in as a run's parent does. ``config_dir`` is a user's own config dir
     (``--config-dir``). For tests and measurements that build the trainer directly."""
-    from hydra import compose, initialize_config_module
-    from hydra.core.singleton import Singleton
-    from hydra.version import VersionBase
-    from omegaconf import open_dict
-
-    from ddpexp.launch import _resolve_monitor
-
     register_configs()
     extra = [f"hydra.searchpath=[file://{config_dir}]"] if config_dir else []
     try:
@@ -266,7 +267,7 @@ def compose_single_process(overrides: list[str], config_dir: Optional[Path] = No
         cfg.pop("hydra", None)
     plain = to_plain(cfg)
     plain["trainer"]["strategy"] = "single"
-    _resolve_monitor(plain)
+    fill_monitor(plain)
     return plain
 
 
@@ -391,9 +392,6 @@ def unknown_trainer_keys(args: list[str]) -> Optional[str]:
     """A message for ``trainer.KEY=...`` overrides whose KEY is no trainer key, naming the
     closest one. Hydra rejects them too, but suggests ``+trainer.KEY`` (adding a key the
     trainer never reads), which is the wrong fix for a typo."""
-    import difflib
-    from dataclasses import fields
-
     known = [f.name for f in fields(TrainerConfig)]
     problems = []
     for arg in args:
@@ -411,21 +409,63 @@ def unknown_trainer_keys(args: list[str]) -> Optional[str]:
             + f"\n(trainer keys: {', '.join(known)})")
 
 
+# A sweep's value (``a,b``, ``range(3)``) in :func:`command_line_values`.
+SWEPT = object()
+
+
+def command_line_values(args: Sequence[str]) -> dict[str, Any]:
+    """The overrides on the command line ``args`` as Hydra itself reads them, by key (its
+    ``+``/``++`` prefix dropped): quotes and escapes undone, so that
+    ``'hydra.run.dir="outputs/my run"'`` and ``hydra.run.dir=outputs/my\\ run`` both give
+    ``"outputs/my run"``, and ``null``, numbers and booleans typed. A sweep's value is
+    :data:`SWEPT`. Flags, their values, deletions (``~key``) and what Hydra cannot parse (it
+    reports that itself) are left out."""
+    parser = OverridesParser.create()
+    values: dict[str, Any] = {}
+    for arg in args:
+        if arg.startswith("-"):
+            continue
+        try:
+            override = parser.parse_override(arg)
+        except HydraException:
+            continue
+        if override.is_delete():
+            continue
+        values[override.key_or_group] = SWEPT if override.is_sweep_override() else override.value()
+    return values
+
+
+def command_line_override(key: str, value: Any) -> str:
+    """``key=value`` as one shell word that Hydra reads back as ``value``: quoted for Hydra
+    where its grammar would read the bare value otherwise (spaces at the ends, non-ASCII
+    letters, ``null``...), then for the shell. ``resume=outputs/run`` stays as it is;
+    ``outputs/my run é`` becomes ``'resume="outputs/my run é"'``."""
+    text = str(value)
+    bare = f"{key}={text}"
+    try:
+        if OverridesParser.create().parse_override(bare).value() == text:
+            return shlex.quote(bare)
+    except HydraException:
+        pass
+    # In Hydra's quoted strings only backslashes before a quote (or the closing one) escape.
+    escaped = re.sub(r'(\\*)("|$)', lambda m: m.group(1) * 2 + ("\\" + m.group(2) if m.group(2) else ""),
+                     text)
+    return shlex.quote(f'{key}="{escaped}"')
+
+
 def preflight(args: list[str]) -> Optional[str]:
     """Checks of the command line that must happen before Hydra claims a run dir: trainer
-    key typos, and a ``resume=`` path that does not exist (which would otherwise leave an
-    empty new run dir behind its error)."""
+    key typos, a run dir that already holds a run, and a ``resume=`` path that does not
+    exist (which would otherwise leave an empty new run dir behind its error)."""
     typo = unknown_trainer_keys(args)
     if typo:
         return typo
     taken = existing_run_overwritten(args)
     if taken:
         return taken
-    for arg in args:
-        key, _, value = arg.partition("=")
-        if key.lstrip("+") == "resume" and value not in ("", "null", "auto") and "," not in value \
-                and not Path(value).expanduser().exists():
-            return f"resume={value} is neither auto, a run dir nor a checkpoint file that exists"
+    resume = command_line_values(args).get("resume")
+    if isinstance(resume, str) and resume not in ("", "auto") and not Path(resume).expanduser().exists():
+        return f"resume={resume} is neither auto, a run dir nor a checkpoint file that exists"
     return None
 
 
@@ -438,7 +478,7 @@ def holds_run(path: Path) -> bool:
     return any((path / name).exists() for name in (".hydra/config.yaml", "checkpoints", "metrics.json"))
 
 
-def _shares_run_dir(values: dict[str, str]) -> bool:
+def _shares_run_dir(values: dict[str, Any]) -> bool:
     """Processes that share one run dir by design: a submitit job requeued into its own dir,
     the tasks of a SLURM step, the nodes of a multi-node run on a shared filesystem."""
     env = os.environ
@@ -446,36 +486,32 @@ def _shares_run_dir(values: dict[str, str]) -> bool:
         return True
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         return True
-    nodes = values.get("trainer.nodes", "1")
-    return nodes.isdigit() and int(nodes) > 1
+    nodes = values.get("trainer.nodes", 1)
+    return isinstance(nodes, int) and nodes > 1
 
 
 def existing_run_overwritten(args: list[str]) -> Optional[str]:
     """A message when ``hydra.run.dir`` (or a sweep's ``hydra.sweep.dir``) names a dir that
     already holds a run and neither ``resume=`` nor ``overwrite=true`` says what to do with it;
     with ``overwrite=true`` the old run's outputs are removed first. Checked before Hydra
-    writes anything into the dir."""
-    values = {}
-    for arg in args:
-        key, eq, value = arg.partition("=")
-        if eq:
-            values[key.lstrip("+")] = value
+    writes anything into the dir, on the path Hydra will use (however it was quoted)."""
+    values = command_line_values(args)
     multirun = any(a in ("-m", "--multirun") for a in args)
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     target = values.get(key)
+    target = None if target is None or target is SWEPT or "${" in str(target) else str(target)
     # The default run and sweep dirs are under ./outputs.
-    problem = writable_dir_problem(Path(target if target and "${" not in target else "outputs"))
+    problem = writable_dir_problem(Path(target or "outputs"))
     if problem:
         return problem
-    if not target or "${" in target:
+    if target is None:
         return None
     path = Path(target).expanduser()
     runs = [path] if not multirun else [d for d in path.iterdir() if d.is_dir()] if path.is_dir() else []
     runs = [d for d in runs if holds_run(d)]
-    resume = values.get("resume", "null")
-    if not runs or resume not in ("", "null") or _shares_run_dir(values):
+    if not runs or values.get("resume") not in (None, "") or _shares_run_dir(values):
         return None
-    if values.get("overwrite", "false").lower() in ("true", "1", "yes"):
+    if str(values.get("overwrite", False)).lower() in ("true", "1", "yes", "on"):
         for run in runs:
             for name in (*RUN_OUTPUTS, *(p.name for p in run.glob("*.log"))):
                 victim = run / name
@@ -484,9 +520,9 @@ def existing_run_overwritten(args: list[str]) -> Optional[str]:
                 elif victim.exists():
                     victim.unlink()
         return None
-    what = f"{key}={target} already holds " + (
+    what = f"{command_line_override(key, target)} already holds " + (
         "a run" if not multirun else f"{len(runs)} run(s) of an earlier sweep")
-    resume_hint = "resume=auto" if multirun else f"resume={target}"
+    resume_hint = "resume=auto" if multirun else command_line_override("resume", target)
     return (f"{what}; a new run there would overwrite its checkpoints and metrics.json. "
             f"Continue it with {resume_hint}, start it over with overwrite=true "
             f"(removes its outputs first), or pick another {key}")

@@ -14,11 +14,18 @@ from __future__ import annotations
 import errno
 import functools
 import shutil
-import time
+import signal
+import threading
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import OmegaConf
+
+from ddpexp.config import claimed_dirs
 from ddpexp.errors import ConfigError, DdpexpError, RunInterrupted
+from ddpexp.record import record_failure, run_started
 
 # Files Hydra itself writes into a run dir before the task runs.
 _HYDRA_ONLY = {".hydra"}
@@ -58,27 +65,25 @@ def guard_run(task: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
     @functools.wraps(task)
     def guarded(cfg: Any) -> Any:
-        from hydra.core.hydra_config import HydraConfig
-
         hydra_cfg = HydraConfig.get()
         run_dir = Path(hydra_cfg.runtime.output_dir)
         config_dir = _newest_config_dir(run_dir)
         last = run_dir / "checkpoints" / "last.pt"
         last_before = _stamp(last)
-        started = time.time()
+        started = run_started()
         try:
             return task(cfg)
         except KeyboardInterrupt:
             exc: BaseException = RunInterrupted(
                 "stopped by a second SIGINT before a checkpoint was saved; the last one (if "
                 f"any) is in {run_dir}/checkpoints", signal="SIGINT")
-            _record(run_dir, exc, started)
+            record_failure(run_dir, exc, started)
             _ignore_further_interrupts()
             raise exc from None
         except OSError as err:
             root = _select(cfg, "data.root")
             exc = explain_os_error(err, str(root) if root else None, str(run_dir))
-            _record(run_dir, exc, started)
+            record_failure(run_dir, exc, started)
             raise exc from None
         except BaseException as exc:
             if isinstance(exc, RunInterrupted):
@@ -93,9 +98,6 @@ def _ignore_further_interrupts() -> None:
     """A run stopped by Ctrl-C has saved what it could and is reporting how to continue; a
     second Ctrl-C in that moment would only replace the message by a traceback. (Each run
     installs its own handlers while it trains.)"""
-    import signal
-    import threading
-
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -123,10 +125,6 @@ def _newest_config_dir(run_dir: Path) -> Path:
 
 def _fresh(run_dir: Path, hydra_cfg: Any) -> bool:
     """Whether this process created ``run_dir`` for this run (not a resumed or named dir)."""
-    from hydra.types import RunMode
-
-    from ddpexp.config import claimed_dirs
-
     return hydra_cfg.mode == RunMode.RUN and str(run_dir) in claimed_dirs()
 
 
@@ -138,18 +136,7 @@ def _stamp(path: Path) -> Optional[int]:
 
 
 def _select(cfg: Any, key: str) -> Any:
-    from omegaconf import OmegaConf
-
     try:
         return OmegaConf.select(cfg, key, default=None)
     except Exception:  # noqa: BLE001 - an unresolvable value is no root to name
         return None
-
-
-def _record(run_dir: Path, exc: BaseException, started: float) -> None:
-    from ddpexp.launch import _record_failure
-
-    try:
-        _record_failure(run_dir, exc, started)  # type: ignore[arg-type]
-    except OSError:
-        pass  # a full or read-only disk: the message still reaches the terminal

@@ -8,24 +8,32 @@ of a SLURM job step. Workers receive the resolved config and the run dir chosen 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+import re
+import shlex
 import shutil
+import signal
 import tempfile
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from ddpexp.config import env_flag, to_plain, validate
+from ddpexp import errors
+from ddpexp.config import command_line_override, env_flag, to_plain, validate
 from ddpexp.errors import ConfigError, DdpexpError, RunDiverged, RunFailed, RunInterrupted
 from ddpexp.failures import guard_run
+from ddpexp.monitor import fill_monitor
+from ddpexp.record import record_failure, record_wall_time, run_started
 from ddpexp.resources import check_resources, oom_kills
+from ddpexp.signals import stop_signals
 from ddpexp.watchdog import Watchdog
 
 log = logging.getLogger("ddpexp")
@@ -92,8 +100,6 @@ def plan_run(trainer: Any, visible_gpus: Optional[int] = None) -> Plan:
 def overrides_as_hparams(overrides: list[str]) -> dict[str, Any]:
     """``["optimizer.lr=0.1", "model=mlp"]`` -> ``{"optimizer.lr": 0.1, "model": "mlp"}``: the
     hyperparameters a sweep varies, as TensorBoard's HParams dashboard shows them."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     out: dict[str, Any] = {}
     for o in OverridesParser.create().parse_overrides(overrides):
         key = o.get_key_element().lstrip("+~")
@@ -107,11 +113,11 @@ def overrides_as_hparams(overrides: list[str]) -> dict[str, Any]:
 @guard_run
 def run(cfg: DictConfig) -> Optional[float]:
     """The task function's body: run one experiment and return its monitored metric."""
-    from hydra.core.hydra_config import HydraConfig
-
+    # torch and the trainer: imported by a run, not by every importer of this module.
     from ddpexp import checkpoint
     from ddpexp.worker import WorkerPayload
 
+    started = run_started()
     validate(cfg)
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
@@ -122,7 +128,7 @@ def run(cfg: DictConfig) -> Optional[float]:
     except OmegaConfBaseException as exc:
         raise ConfigError(f"the config does not resolve: {exc}") from None
     plain["trainer"].update(strategy=plan.strategy, procs=plan.procs)
-    _resolve_monitor(plain)
+    fill_monitor(plain)
     resume = checkpoint.find(cfg.resume, run_dir)
     if resume is None and cfg.resume is None and under_submitit():
         # A submitit job requeued after SLURM's pre-timeout signal runs again in its own job
@@ -144,19 +150,21 @@ def run(cfg: DictConfig) -> Optional[float]:
     log.info("%d worker(s)%s: strategy=%s, %s", plan.world_size,
              " (SLURM tasks)" if _slurm_ranks() else "", plan.strategy,
              f"{plan.gpus} GPU(s) per node" if plan.gpus else "CPU")
-    started = time.time()
+    if resume is None and cfg.resume == "auto":
+        log.info("resume=auto: no checkpoint in %s, starting from scratch", run_dir / "checkpoints")
     preempt = Preemption()
     try:
         result = dispatch(plan, cfg, payload)
     except RunInterrupted as exc:
-        _record_failure(run_dir, exc, started)
+        record_failure(run_dir, exc, started)
         preempt.requeue(exc.signal)
         raise
     except DdpexpError as exc:
-        _record_failure(run_dir, exc, started)
+        record_failure(run_dir, exc, started)
         raise
     if result is None:  # not global rank 0 of a SLURM step
         return None
+    record_wall_time(run_dir, result, started)
     if result["status"] == "interrupted":
         by = result.get("stopped_by")
         preempt.requeue(by)
@@ -177,36 +185,11 @@ def _diverged(result: dict, hydra_cfg: Any) -> float:
     """A run whose training loss went non-finite: on its own it fails with the trainer's
     message; as a sweep job it returns the worst value for the monitored direction, so that
     a sweeper can rank it and the sweep goes on (its row says ``diverged``)."""
-    from hydra.types import RunMode
-
     message = result.get("error") or "training diverged"
     if hydra_cfg.mode != RunMode.MULTIRUN:
         raise RunDiverged(message)
     log.error("%s", message)
     return float("-inf") if result.get("monitor_mode") == "max" else float("inf")
-
-
-def _resolve_monitor(plain: dict) -> None:
-    """Fill ``trainer.monitor``/``monitor_mode`` left null with the task's defaults, so that
-    every reader (workers, metrics.json, the sweep summary, sweepers) sees the same names."""
-    from ddpexp.task import task_defaults
-
-    t = plain["trainer"]
-    if t.get("monitor") is None or t.get("monitor_mode") is None:
-        monitor, mode = task_defaults(plain["task"]["_target_"])
-        if t.get("monitor") is None:
-            t["monitor"] = monitor
-            if t.get("monitor_mode") is None:
-                t["monitor_mode"] = mode
-        elif t.get("monitor_mode") is None:
-            # A monitor of the user's own choice: loss-like names are minimised.
-            t["monitor_mode"] = mode if t["monitor"] == monitor else _guess_mode(t["monitor"])
-
-
-def _guess_mode(monitor: str) -> str:
-    name = monitor.rsplit("/", 1)[-1].lower()
-    return "max" if any(k in name for k in ("acc", "f1", "auc", "precision", "recall", "score",
-                                            "iou", "dice", "r2", "bleu")) else "min"
 
 
 def under_submitit() -> bool:
@@ -220,18 +203,12 @@ class Preemption:
     handler that was installed before the run is called, so that the requeue still happens."""
 
     def __init__(self) -> None:
-        import signal
-
-        from ddpexp.signals import stop_signals
-
         self.handlers = {sig.name: signal.getsignal(sig) for sig in stop_signals()
                          if sig not in (signal.SIGTERM, signal.SIGINT)}
 
     def requeue(self, signal_name: Optional[str]) -> None:
         """Hand ``signal_name`` on to the pre-run handler if it is a pre-timeout signal that
         a Python handler (submitit's) was waiting for; that handler usually exits."""
-        import signal
-
         handler = self.handlers.get(signal_name or "")
         if callable(handler):
             log.warning("%s: checkpoint saved; handing the signal to submitit to requeue the job",
@@ -291,10 +268,7 @@ def _elastic(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    import signal
-
     from ddpexp.dist import free_port
-    from ddpexp.signals import stop_signals
     from ddpexp.worker import EXIT_INTERRUPTED, run_worker
 
     t = cfg.trainer
@@ -426,8 +400,6 @@ _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken p
 def _logged_failures(log_file: Optional[str]) -> dict[int, tuple[str, str]]:
     """``{rank: (pid, last line of its traceback)}`` for each ``[rankN] worker failed (pid
     P):`` entry that the workers wrote into the run's log."""
-    import re
-
     try:
         text = Path(log_file).read_text(errors="replace") if log_file else ""
     except OSError:
@@ -443,8 +415,6 @@ def _logged_failures(log_file: Optional[str]) -> dict[int, tuple[str, str]]:
 
 def _own_error(failure: Any) -> Optional[str]:
     """The message of a ddpexp error (ConfigError, CheckpointError, ...) a rank raised."""
-    from ddpexp import errors
-
     data = failure.error_file_data
     message = data.get("message") if isinstance(data, dict) else None
     text = str(message.get("message", "")) if isinstance(message, dict) else ""
@@ -456,8 +426,6 @@ def _own_error(failure: Any) -> Optional[str]:
 
 
 def _cause(failure: Any) -> str:
-    import signal as _signal
-
     data = failure.error_file_data
     message = data.get("message") if isinstance(data, dict) else None
     if isinstance(message, dict):
@@ -466,7 +434,7 @@ def _cause(failure: Any) -> str:
             return "raised " + text.splitlines()[-1] if "Traceback" in text else "raised " + text
     if failure.exitcode < 0:
         try:
-            name = _signal.Signals(-failure.exitcode).name
+            name = signal.Signals(-failure.exitcode).name
         except ValueError:
             name = f"signal {-failure.exitcode}"
         return f"was killed by {name}"
@@ -475,34 +443,12 @@ def _cause(failure: Any) -> str:
 
 def _resume_hint(run_dir: Path, hydra_cfg: Any) -> str:
     """How to continue: the same command line with ``resume=<run dir>``."""
-    import shlex
-
-    from hydra.core.hydra_config import HydraConfig
-
     if hydra_cfg is None and HydraConfig.initialized():
         hydra_cfg = HydraConfig.get()
     overrides = list(hydra_cfg.overrides.task) if hydra_cfg is not None else []
     kept = [o for o in overrides if not o.split("=", 1)[0].lstrip("+~") in ("resume", "hydra.run.dir")]
-    args = " ".join(shlex.quote(a) for a in [f"resume={run_dir}", *kept])
+    args = " ".join([command_line_override("resume", run_dir), *map(shlex.quote, kept)])
     return (
         f"the last checkpoint is in {run_dir}/checkpoints. Continue it with:\n"
         f"  python -m ddpexp {args}"
     )
-
-
-def _record_failure(run_dir: Path, exc: Exception, started: float) -> None:
-    """Mark this attempt failed in metrics.json, so sweeps and reports see it. A run that
-    failed before training (a bad resume, say) leaves an earlier attempt's record alone."""
-    path = run_dir / "metrics.json"
-    try:
-        data = json.loads(path.read_text()) if path.exists() else {}
-    except (OSError, ValueError):
-        data = {}
-    if data.get("status", "running") != "running":
-        return
-    data.update(status="interrupted" if isinstance(exc, RunInterrupted) else "failed",
-                error=str(exc))
-    data.setdefault("wall_time_s", round(time.time() - started, 3))
-    from ddpexp.trainer import write_metrics
-
-    write_metrics(run_dir, data)

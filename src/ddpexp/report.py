@@ -24,12 +24,14 @@ import argparse
 import csv
 import io
 import json
+import statistics
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-METRICS_FILE = "metrics.json"
+from ddpexp.record import METRICS_FILE, UnreadableRecord, read_metrics
+
 FORMATS = ("text", "md", "csv", "json")
 NO_METRICS = "no metrics"
 # Columns of every format, in order (csv/json use the field names, text/md the titles).
@@ -52,7 +54,10 @@ class Row:
     test: Optional[float] = None
     epochs: Optional[int] = None
     steps: Optional[int] = None
+    # The run's wall time, start-up included (a sweep job's from the launcher's start of its
+    # process); train_time_s is the training loop's part of it.
     wall_time_s: Optional[float] = None
+    train_time_s: Optional[float] = None
     error: Optional[str] = None
     dir: Optional[str] = None
     # The final validation metrics and the test metrics, whatever the task names them
@@ -74,17 +79,12 @@ def read_run(run_dir: Path, job: Optional[str] = None) -> Row:
     run_dir = Path(run_dir)
     row = Row(job=job if job is not None else run_dir.name, dir=str(run_dir),
               overrides=_read_overrides(run_dir), seed=_read_seed(run_dir))
-    path = run_dir / METRICS_FILE
-    if not path.is_file():
-        return row
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        row.status, row.error = "unreadable", f"{path}: {exc}"
+        data = read_metrics(run_dir)
+    except FileNotFoundError:
         return row
-    if not isinstance(data, dict):
-        row.status = "unreadable"
-        row.error = f"{path} holds a JSON {type(data).__name__}, not a run's metrics object"
+    except UnreadableRecord as exc:
+        row.status, row.error = "unreadable", str(exc)
         return row
     monitor = data.get("monitor")
     if not isinstance(monitor, str):
@@ -97,6 +97,7 @@ def read_run(run_dir: Path, job: Optional[str] = None) -> Row:
     row.epochs = data.get("epochs")
     row.steps = data.get("steps")
     row.wall_time_s = _number(data.get("wall_time_s"))
+    row.train_time_s = _number(data.get("train_time_s"))
     row.error = data.get("error")
     for part in ("final", "test"):
         values = data.get(part) or {}
@@ -215,8 +216,6 @@ class Group:
 def group_seeds(rows: Sequence[Row]) -> list[Group]:
     """One :class:`Group` per configuration: rows whose overrides are the same once ``seed``
     is left out. Best mean monitored value first."""
-    import statistics
-
     groups: dict[tuple, list[Row]] = {}
     for row in rows:
         groups.setdefault(tuple(sorted(_without_seed(row.overrides))), []).append(row)
@@ -282,7 +281,17 @@ def format_groups(groups: Sequence[Group], fmt: str = "text") -> str:
 
 
 def _without_seed(overrides: Sequence[str]) -> list[str]:
-    return [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != "seed"]
+    return [o for o in overrides if _key(o) != "seed"]
+
+
+def own_overrides(overrides: Sequence[str]) -> list[str]:
+    """``overrides`` without ``resume=``: it says how a run was continued (a resumed sweep's
+    jobs all get ``resume=auto``), not what the run is."""
+    return [str(o) for o in overrides if _key(str(o)) != "resume"]
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
 
 
 def _value(row: Row, name: str) -> Optional[float]:
@@ -387,7 +396,7 @@ def _read_overrides(run_dir: Path) -> list[str]:
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError):
         return []
-    return [str(o) for o in data or []]
+    return own_overrides(data or [])
 
 
 def _read_seed(run_dir: Path) -> Optional[int]:

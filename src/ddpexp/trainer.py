@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import logging
 import math
 import os
@@ -35,6 +34,7 @@ from ddpexp.divergence import LossCeiling
 from ddpexp.dist import DistContext, derive_seed, rng_state, seed_everything, set_rng_state
 from ddpexp.ema import EMA
 from ddpexp.errors import ConfigError
+from ddpexp.record import write_metrics
 from ddpexp.signals import StopRequested
 from ddpexp.task import Task, as_task
 from ddpexp.topk import TopK
@@ -43,7 +43,6 @@ from ddpexp.watchdog import (BACKWARD, CHECKPOINT, DATA, FORWARD, OPTIMIZER, VAL
 
 log = logging.getLogger("ddpexp")
 
-METRICS_FILE = "metrics.json"
 # Training samples run through the task's checks before the first step.
 PROBE_SAMPLES = 64
 CHECKPOINT_FORMAT = 2
@@ -669,6 +668,7 @@ class Trainer:
             sums.add_(torch.stack([out[k].detach().double() for k in names]), alpha=n)
             count += n
         *totals, count = self._reduce(sums, count)
+        self.evaluated_samples = int(count)  # all ranks' (fewer than the split's with a limit)
         return self._means(names, totals, count, prefix)
 
     def _test(self) -> None:
@@ -722,7 +722,7 @@ class Trainer:
         # The weights just loaded are the ones to evaluate (with EMA, the averaged ones of
         # that checkpoint), not the run's current average.
         values = self._evaluate(self.eval_loader(dataset), split)
-        return {"metrics": values, "epoch": int(epoch), "samples": len(dataset)}
+        return {"metrics": values, "epoch": int(epoch), "samples": self.evaluated_samples}
 
     def _sync_buffers(self) -> None:
         """Give every rank rank 0's buffers (BatchNorm statistics) before evaluating, so all
@@ -995,7 +995,8 @@ class Trainer:
             "best": {self.monitor: self.best_value, "epoch": self.best_epoch},
             "history": self.history,
             "world_size": self.ctx.world_size,
-            "wall_time_s": round(time.time() - self.started, 3),
+            # The loop's part; the run's parent adds the whole run's wall_time_s at its end.
+            "train_time_s": round(time.time() - self.started, 3),
             **({"stopped_by": self.stop.name} if self.status == "interrupted" and self.stop else {}),
             **({"test": self.test_metrics} if self.test_metrics else {}),
             **({"diverged_at_step": self.diverged["step"], "error": self.divergence_message()}
@@ -1112,30 +1113,3 @@ def _schedule_progress(state: dict) -> dict:
     if "lr_lambdas" not in state:
         return state
     return {**state, "lr_lambdas": [None] * len(state["lr_lambdas"])}
-
-
-def write_metrics(run_dir: Path, result: dict) -> None:
-    """Atomically replace ``run_dir/metrics.json``. NaN and infinite values are written as
-    ``null``: JSON has no such numbers, and a bare ``NaN`` breaks strict readers."""
-    path = Path(run_dir) / METRICS_FILE
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    text = json.dumps(_finite(result), indent=2, default=float, allow_nan=False)
-    try:
-        tmp.write_text(text + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _finite(value: Any) -> Any:
-    """``value`` with every non-finite float (at any depth) replaced by None."""
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value

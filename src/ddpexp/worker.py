@@ -6,14 +6,24 @@ looks at ``sys.argv``, which is what keeps every rank in the one run dir the par
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import torch
+import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
+
+from ddpexp import dist as ddist
+from ddpexp import proc
+from ddpexp.checkpoint import LAST
+from ddpexp.failures import explain_os_error
+from ddpexp.trainer import Trainer
 
 log = logging.getLogger("ddpexp")
 
@@ -59,8 +69,6 @@ def setup_logging(rank: int, log_file: str) -> None:
 def set_threads(local_world_size: int) -> None:
     """Split this process's cores (its affinity mask: a sweep slice, a cgroup) evenly
     between the workers of this node, so that workers do not oversubscribe the CPU."""
-    import torch
-
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     torch.set_num_threads(max(1, (cores or 1) // max(1, local_world_size)))
 
@@ -69,12 +77,6 @@ def set_threads(local_world_size: int) -> None:
 def run_worker(payload: WorkerPayload) -> Optional[dict]:
     """Train (or, for ddpexp.eval, evaluate a checkpoint) as one rank; global rank 0 returns
     the run's metrics, the others ``None``."""
-    import torch.distributed as dist
-
-    from ddpexp import dist as ddist
-    from ddpexp.checkpoint import LAST
-    from ddpexp.trainer import Trainer
-
     cfg = payload.config
     trainer_cfg = cfg["trainer"]
     ctx = ddist.context_from_env(trainer_cfg["gpus"])
@@ -102,8 +104,6 @@ def run_worker(payload: WorkerPayload) -> Optional[dict]:
             dist.barrier()  # rank 0 has written metrics.json: nobody exits before that
     except OSError as exc:  # an unreadable data.root, a full disk: one message, not errno
         _log_traceback(payload.log_file, ctx.rank)
-        from ddpexp.failures import explain_os_error
-
         raise explain_os_error(exc, cfg["data"].get("root"), payload.run_dir) from None
     except Exception:
         _log_traceback(payload.log_file, ctx.rank)
@@ -121,19 +121,13 @@ def run_worker(payload: WorkerPayload) -> Optional[dict]:
         # An elastic worker that succeeded: torch elastic hands the result to the agent
         # before the process ends, and the agent then waits for the process to exit, so
         # skipping the interpreter teardown (1-2 s with torch loaded) shortens every run.
-        import atexit
-
-        from ddpexp.proc import exit_now
-
-        atexit.register(exit_now, 0)
+        atexit.register(proc.exit_now, 0)
     return result if ctx.is_main else None
 
 
 def _log_traceback(log_file: str, rank: int) -> None:
     """The full traceback goes to the run's log file; the terminal gets one line per failed
     rank from the parent (and the traceback only with HYDRA_FULL_ERROR=1)."""
-    import traceback
-
     try:
         with open(log_file, "a") as f:
             f.write(f"[rank{rank}] worker failed (pid {os.getpid()}):\n{traceback.format_exc()}")

@@ -7,7 +7,8 @@ its workers inherit, and matching OpenMP/MKL thread counts) and, for a job with
 ``trainer.gpus=N``, N GPUs of its own through ``CUDA_VISIBLE_DEVICES``. A job that needs
 more than is free waits. A failing job does not stop the others (unless ``fail_fast``); at
 the end of every ``launch()`` the sweep's table is written (``summary.csv``/``summary.md``)
-and printed, and each failure is listed with its overrides and cause.
+and printed, and each job that failed, or that a signal interrupted, is listed with its
+overrides and cause.
 
 With ``resume=auto`` and the sweep dir of an earlier sweep, jobs whose dir holds a completed
 ``metrics.json`` are not run again (their stored metric is returned); the others run, and
@@ -21,7 +22,6 @@ starts a new trial the moment a slot frees.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import pickle
@@ -40,6 +40,10 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, setup_globals
 from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
+
+from ddpexp.config import command_line_override
+from ddpexp.errors import RunInterrupted
+from ddpexp.record import JOB_STARTED_ENV, read_metrics_or_empty
 
 log = logging.getLogger("hydra_plugins.ddpexp_launcher")
 
@@ -144,10 +148,25 @@ class Job:
     # Extra environment of the job process (its workers inherit it).
     env: Dict[str, str] = field(default_factory=dict)
     ended: float = 0.0
+    # The last signal the launcher sent to stop the job because the sweep was stopped.
+    stop_signal: Optional[str] = None
+    # The signal that interrupted the job (it ended without failing), once it has ended.
+    interrupted_by: Optional[str] = None
 
     @property
     def label(self) -> str:
         return f"#{self.idx} : {' '.join(filter_overrides(self.overrides))}"
+
+    @property
+    def outcome(self) -> str:
+        """How the job ended, as its summary row says: completed, failed, interrupted or
+        not run."""
+        assert self.ret is not None, "the job has not ended"
+        if self.ret.status == JobStatus.COMPLETED:
+            return "completed"
+        if self.interrupted_by is not None:
+            return "interrupted"
+        return "not run" if isinstance(self.ret._return_value, JobSkipped) else "failed"
 
 
 def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
@@ -159,7 +178,7 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
     jobs = [prepare(launcher, list(o), i, sweep_dir)
             for i, o in enumerate(job_overrides, start=initial_job_idx)]
     pending = [j for j in jobs if j.ret is None]
-    failed = any(j.ret is not None and j.ret.status == JobStatus.FAILED for j in jobs)
+    failed = any(j.ret is not None and j.outcome == "failed" for j in jobs)
     with Pool(launcher) as pool:
         while pending or pool.running:
             if not pool.stopped and not (launcher.fail_fast and failed):
@@ -168,7 +187,7 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
             elif not pool.running:
                 break
             for job in pool.wait_any():
-                failed = failed or job.ret.status == JobStatus.FAILED  # type: ignore[union-attr]
+                failed = failed or job.outcome == "failed"
     reason = (f"not run: the sweep was stopped by {pool.stopped}" if pool.stopped else
               "not run: an earlier job failed and hydra.launcher.fail_fast=true")
     for job in pending:
@@ -178,7 +197,7 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
     if pool.stopped:
         raise SweepInterrupted(
             f"the sweep was stopped by {pool.stopped}. To finish it, run the same command "
-            f"with: resume=auto hydra.sweep.dir={sweep_dir}"
+            f"with: resume=auto {command_line_override('hydra.sweep.dir', sweep_dir)}"
         )
     return [j.ret for j in jobs]  # type: ignore[misc]
 
@@ -296,7 +315,6 @@ def _check_resume(job: Job) -> None:
     """``resume=auto`` into an existing sweep dir: a job whose dir holds a completed run of
     the same overrides is done; one with other overrides is refused (it is another sweep)."""
     assert job.dir is not None and job.config is not None
-    metrics_path = job.dir / "metrics.json"
     overrides_path = job.dir / ".hydra" / "overrides.yaml"
     if overrides_path.is_file():
         import yaml
@@ -309,12 +327,7 @@ def _check_resume(job: Job) -> None:
                 f"{job.dir} holds a run with overrides {' '.join(before)}, not "
                 f"{' '.join(now)}: resume a sweep with the overrides it was started with"))
             return
-    if not metrics_path.is_file():
-        return
-    try:
-        metrics = json.loads(metrics_path.read_text())
-    except (OSError, ValueError):
-        return
+    metrics = read_metrics_or_empty(job.dir)
     if metrics.get("status") != "completed":
         return
     monitor = metrics.get("monitor")
@@ -345,7 +358,9 @@ def _start(launcher: Any, job: Job, taken: tuple, split: bool, workdir: Path) ->
             "hydra_context": launcher.hydra_context,
             "singleton_state": Singleton.get_state(),
         }, f)
-    env = {**os.environ, **job.env}
+    job.started = time.time()
+    # The run counts its wall time from here, the job process's start-up included.
+    env = {**os.environ, **job.env, JOB_STARTED_ENV: repr(job.started)}
     if split and cores:
         # Workers split these further (ddpexp.worker.set_threads divides the affinity mask).
         for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -354,7 +369,6 @@ def _start(launcher: Any, job: Job, taken: tuple, split: bool, workdir: Path) ->
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
     log.info("\t%s%s", job.label, _where(cores if split else [], gpu_ids))
     job.files = [str(spec_path), str(result_path)]
-    job.started = time.time()
     # Its own process group (same session): one killpg stops the job and all its workers.
     group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
     job.proc = subprocess.Popen(
@@ -383,9 +397,13 @@ def _enforce_limits(launcher: Any, job: Job, stop: "_StopSignals") -> None:
                 log.error("%s ran over hydra.launcher.timeout_s=%s: stopping it", job.label,
                           launcher.timeout_s)
                 job.timed_out = True
+            else:
+                job.stop_signal = "SIGTERM"
             job.stopping_since = now
             _signal_group(job, signal.SIGTERM)
     elif now - job.stopping_since > float(launcher.kill_grace_s):
+        if not job.timed_out:
+            job.stop_signal = "SIGKILL"
         _signal_group(job, signal.SIGKILL)
 
 
@@ -422,26 +440,44 @@ def _finish(job: Job) -> None:
             why = f"its process exited with code {code} without a result"
         if job.timed_out:
             why += " after running over hydra.launcher.timeout_s"
+        elif job.stop_signal is not None:
+            why += f" before it reported, while the sweep stopped its jobs ({job.stop_signal} sent)"
         ret = JobReturn(overrides=job.overrides, cfg=job.config, status=JobStatus.FAILED,
                         working_dir=str(job.dir), _return_value=JobFailed(f"job {job.idx}: {why}"))
     elif ret.status == JobStatus.FAILED:
         exc = ret._return_value
         if job.timed_out:
             ret._return_value = JobFailed(f"job {job.idx} ran over hydra.launcher.timeout_s "
-                                          f"and was stopped: {_cause(ret)}")
+                                          f"and was stopped: {cause_of(ret)}")
         elif not isinstance(exc, CompactHydraException):
             # Re-raised here, the exception would show a traceback of the launcher, not of
             # the job; the job's traceback is in its log.
             log_file = Path(ret.working_dir or job.dir or ".") / f"{ret.task_name or 'job'}.log"
             if job.dir is not None and job.config is not None:
                 log_file = job.dir / f"{job.config.hydra.job.name}.log"
-            wrapped = JobFailed(f"job {job.idx} failed with {_cause(ret)}\n"
+            wrapped = JobFailed(f"job {job.idx} failed with {cause_of(ret)}\n"
                                 f"(its traceback is in {log_file})")
             wrapped.original = exc  # type: ignore[attr-defined]
             ret._return_value = wrapped
     job.ret = ret
-    log.info("\t#%d ended (%s) after %.1f s", job.idx, ret.status.name.lower(),
-             job.ended - job.started)
+    job.interrupted_by = _interruption(job, code)
+    log.info("\t#%d ended (%s) after %.1f s", job.idx, job.outcome + (
+        f" by {job.interrupted_by}" if job.interrupted_by else ""), job.ended - job.started)
+
+
+def _interruption(job: Job, code: int) -> Optional[str]:
+    """The signal that stopped ``job`` when it was interrupted rather than failed: the run
+    said so (it saved a checkpoint and names the signal it got), or its process ended on the
+    signal the launcher sent it because the sweep was stopped."""
+    exc = job.ret._return_value if job.ret is not None else None
+    if isinstance(exc, RunInterrupted):
+        return exc.signal or job.stop_signal or "a stop signal"
+    if job.stop_signal is not None and job.ret is not None and job.ret.status == JobStatus.FAILED:
+        try:
+            return signal.Signals(-code).name if code < 0 else job.stop_signal
+        except ValueError:
+            return job.stop_signal
+    return None
 
 
 class _StopSignals:
@@ -470,48 +506,61 @@ class _StopSignals:
 
 
 # ------------------------------------------------------------------------------ summary
-def _cause(ret: JobReturn) -> str:
+def cause_of(ret: JobReturn) -> str:
+    """Why a job did not complete, in one message (its own, for ddpexp's and Hydra's errors)."""
     exc = ret._return_value
     if isinstance(exc, CompactHydraException):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"
 
 
+def _listed(jobs: List[Job]) -> str:
+    """Each job's label and, indented below it, its cause."""
+    return "\n".join(f"  {j.label}\n      " + cause_of(j.ret).strip().replace("\n", "\n      ")  # type: ignore[arg-type]
+                     for j in jobs)
+
+
 def report(launcher: Any, jobs: List[Job], sweep_dir: Path) -> None:
     """Write and print the sweep's table (every job in the sweep dir so far), then list the
-    failures of this launch with their overrides and cause."""
+    jobs of this launch that failed or were interrupted, with their overrides and cause."""
     from ddpexp import report
 
     for job in jobs:
         if job.ret is None:
             continue
         key = str(job.config.hydra.sweep.subdir) if job.config is not None else str(job.idx)
-        ok = job.ret.status == JobStatus.COMPLETED
-        launcher.outcomes[key] = (job.overrides, ok, None if ok else _cause(job.ret))
+        outcome = job.outcome
+        launcher.outcomes[key] = (job.overrides, outcome,
+                                  None if outcome == "completed" else cause_of(job.ret),
+                                  round(job.ended - job.started, 3) if job.ended else None)
     rows = {r.job: r for r in report.collect(sweep_dir)}
-    for key, (overrides, ok, cause) in launcher.outcomes.items():
-        row = rows.get(key) or report.Row(job=key, overrides=list(overrides))
-        if not ok:
+    for key, (overrides, outcome, cause, wall) in launcher.outcomes.items():
+        row = rows.get(key) or report.Row(job=key, overrides=report.own_overrides(overrides))
+        if outcome != "completed":
             # What the job process knew; metrics.json may say less (a job that failed before
-            # training wrote none).
+            # training wrote none, a killed one still says running).
             if row.status not in ("failed", "interrupted", "diverged"):
-                row.status = "not run" if str(cause).startswith("not run") else "failed"
+                row.status = outcome
             row.error = row.error or cause
         elif row.status == report.NO_METRICS:  # any Hydra app: the job's own outcome
             row.status = "completed"
+        if row.wall_time_s is None:  # the run recorded none (it never got to run)
+            row.wall_time_s = wall
         rows[key] = row
     ordered = report.sort_rows(rows.values())
     if ordered:
         report.write_summary(sweep_dir, ordered)
         log.info("sweep summary (%s):\n%s", sweep_dir / "summary.csv",
                  report.format_rows(ordered, "text").rstrip())
-    failures = [j for j in jobs if j.ret is not None and j.ret.status == JobStatus.FAILED]
-    skipped = [j for j in failures if isinstance(j.ret._return_value, JobSkipped)]  # type: ignore[union-attr]
-    failures = [j for j in failures if j not in skipped]
+    ended = [j for j in jobs if j.ret is not None]
+    failures = [j for j in ended if j.outcome == "failed"]
+    interrupted = [j for j in ended if j.outcome == "interrupted"]
+    skipped = [j for j in ended if j.outcome == "not run"]
     if failures:
-        lines = [f"  {j.label}\n      " + _cause(j.ret).strip().replace("\n", "\n      ")  # type: ignore[arg-type]
-                 for j in failures]
-        log.error("%d of %d job(s) failed:\n%s", len(failures), len(jobs), "\n".join(lines))
+        log.error("%d of %d job(s) failed:\n%s", len(failures), len(jobs), _listed(failures))
+    if interrupted:
+        log.warning("%d of %d job(s) interrupted:\n%s", len(interrupted), len(jobs),
+                    _listed(interrupted))
     if skipped:
         log.error("%d of %d job(s) not run (%s)", len(skipped), len(jobs),
-                  _cause(skipped[0].ret).removeprefix("not run: "))  # type: ignore[arg-type]
+                  cause_of(skipped[0].ret).removeprefix("not run: "))  # type: ignore[arg-type]

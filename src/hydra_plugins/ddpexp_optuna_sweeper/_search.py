@@ -17,7 +17,6 @@ where ddpexp continues its ``last.pt``, and asks only what ``n_trials`` still la
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
@@ -28,7 +27,10 @@ from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
 
 from ddpexp import pruning
+from ddpexp.config import command_line_override
 from ddpexp.errors import ConfigError
+from ddpexp.monitor import resolve_monitor
+from ddpexp.record import read_metrics_or_empty
 from hydra_plugins.ddpexp_launcher import _core
 from hydra_plugins.ddpexp_launcher.ddp_launcher import DdpLauncher
 from hydra_plugins.ddpexp_optuna_sweeper import _space
@@ -69,14 +71,9 @@ def run(sweeper: Any, arguments: List[str]) -> Optional[dict]:
 
 def _monitored(config: Any) -> tuple:
     """``(trainer.monitor, trainer.monitor_mode)``, the task's own where they are null."""
-    monitor = OmegaConf.select(config, "trainer.monitor", default=None)
-    mode = OmegaConf.select(config, "trainer.monitor_mode", default=None)
-    if monitor is None or mode is None:
-        from ddpexp.task import task_defaults
-
-        task_monitor, task_mode = task_defaults(str(OmegaConf.select(config, "task._target_")))
-        monitor, mode = monitor or task_monitor, mode or task_mode
-    return str(monitor), str(getattr(mode, "value", mode))
+    return resolve_monitor(str(OmegaConf.select(config, "task._target_")),
+                           OmegaConf.select(config, "trainer.monitor", default=None),
+                           OmegaConf.select(config, "trainer.monitor_mode", default=None))
 
 
 def _direction(sweeper: Any, config: Any) -> str:
@@ -177,7 +174,7 @@ class _Search:
         if pool.stopped:
             raise _core.SweepInterrupted(
                 f"the search was stopped by {pool.stopped}. To continue it, run the same "
-                f"command with: resume=auto hydra.sweep.dir={self.sweep_dir}")
+                f"command with: resume=auto {command_line_override('hydra.sweep.dir', self.sweep_dir)}")
         if self.failed and self.launcher.fail_fast:
             raise SearchStopped("the search stopped at the first failed trial "
                                 "(hydra.launcher.fail_fast=true); see the failures above")
@@ -238,7 +235,7 @@ class _Search:
             if pool.stopped:
                 return  # cut off: RUNNING in the study, resumed by resume=auto
             self.failed = True
-            self._tell_state(job.idx, "fail", _core._cause(ret))
+            self._tell_state(job.idx, "fail", _core.cause_of(ret))
             return
         value = ret._return_value
         if status == "pruned":
@@ -289,9 +286,4 @@ class _Search:
 
 
 def _metrics(job: _core.Job) -> dict:
-    if job.dir is None:
-        return {}
-    try:
-        return json.loads((job.dir / "metrics.json").read_text())
-    except (OSError, ValueError):
-        return {}
+    return read_metrics_or_empty(job.dir) if job.dir is not None else {}

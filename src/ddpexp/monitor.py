@@ -1,0 +1,48 @@
+"""Which metric a run is judged by: ``trainer.monitor`` and ``trainer.monitor_mode``, the
+task's own defaults where they are null.
+
+The run's parent resolves them once, so that every reader (workers, ``metrics.json``, the
+sweep summary, sweepers) sees the same names; a sweeper resolves them the same way to pick its
+direction.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+# Name parts of metrics where larger is better; any other metric a user monitors is minimised.
+_LARGER_IS_BETTER = ("acc", "f1", "auc", "precision", "recall", "score", "iou", "dice", "r2",
+                     "bleu")
+
+
+def resolve_monitor(task_target: str, monitor: Optional[str] = None,
+                    mode: Any = None) -> tuple[str, str]:
+    """``(monitor, mode)`` of a run of the task class ``task_target``: ``monitor`` and
+    ``mode`` (``"max"``/``"min"`` or a ``MonitorMode``) where given, else the task's class
+    attributes; the mode of a monitor of the user's own choice is guessed from its name
+    (:func:`guess_mode`)."""
+    mode = getattr(mode, "value", mode)
+    if monitor is not None and mode is not None:
+        return str(monitor), str(mode)
+    # Importing the task class imports torch: only when the task's defaults are needed.
+    from ddpexp.task import task_defaults
+
+    task_monitor, task_mode = task_defaults(task_target)
+    if monitor is None:
+        return task_monitor, str(mode) if mode is not None else task_mode
+    return str(monitor), task_mode if monitor == task_monitor else guess_mode(str(monitor))
+
+
+def fill_monitor(config: dict) -> None:
+    """Fill ``trainer.monitor``/``monitor_mode`` of a resolved config (plain Python, as workers
+    receive it) where they are null, as :func:`resolve_monitor` says."""
+    t = config["trainer"]
+    t["monitor"], t["monitor_mode"] = resolve_monitor(config["task"]["_target_"], t.get("monitor"),
+                                                      t.get("monitor_mode"))
+
+
+def guess_mode(monitor: str) -> str:
+    """``"max"`` for names of metrics where larger is better (``val/acc``, ``val/f1``...),
+    else ``"min"`` (``val/loss``, ``val/mse``...)."""
+    name = monitor.rsplit("/", 1)[-1].lower()
+    return "max" if any(k in name for k in _LARGER_IS_BETTER) else "min"
