@@ -1,4 +1,5 @@
-"""The loggers seam: what records a run's metrics (TensorBoard, a CSV file, a user's own), built from the ``logger`` config group, a dict of entries keyed by name.
+"""The loggers seam: what records a run's metrics (TensorBoard, a CSV file, MLflow, a user's
+own), built from the ``logger`` config group, a dict of entries keyed by name.
 
 :func:`build_loggers` turns the entries into :class:`Logger` objects (global rank 0 only);
 :func:`prepare_loggers` runs each one's class-level ``prepare`` once in the launching process.
@@ -16,10 +17,11 @@ from typing import Any, Mapping
 from ddpexp.errors import ConfigError, DdpexpError
 from ddpexp.loggers.base import SUCCESS_STATUSES, Logger, RunInfo
 from ddpexp.loggers.csv import CSVLogger
+from ddpexp.loggers.mlflow import MLflowLogger
 from ddpexp.loggers.tensorboard import TensorBoardLogger
 
 __all__ = [
-    "CSVLogger", "Logger", "RunInfo", "SUCCESS_STATUSES", "TensorBoardLogger",
+    "CSVLogger", "Logger", "MLflowLogger", "RunInfo", "SUCCESS_STATUSES", "TensorBoardLogger",
     "build_loggers", "prepare_loggers",
 ]
 
