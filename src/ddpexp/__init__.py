@@ -1,8 +1,8 @@
 """ddpexp: Hydra-configured PyTorch experiments where every run and sweep job is a DDP run.
 
-``ddpexp.Task`` (the task contract) and ``ddpexp.DataSource`` (a user's own data) are what a
-user's code subclasses; they, and the submodules, are imported on first use so that
-``import ddpexp`` stays cheap.
+``ddpexp.Task`` (the task contract), ``ddpexp.DataSource`` (a user's own data) and
+``ddpexp.Logger`` (a user's own logger) are what a user's code subclasses; they, and the
+submodules, are imported on first use so that ``import ddpexp`` stays cheap.
 """
 
 import importlib
@@ -10,7 +10,11 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_LAZY = {"Task": ("ddpexp.task", "Task"), "DataSource": ("ddpexp.data", "DataSource")}
+_LAZY = {
+    "Task": ("ddpexp.task", "Task"),
+    "DataSource": ("ddpexp.data", "DataSource"),
+    "Logger": ("ddpexp.loggers", "Logger"),
+}
 
 
 def __getattr__(name: str) -> Any:

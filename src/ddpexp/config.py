@@ -135,6 +135,9 @@ class DdpexpConfig:
     optimizer: Any = MISSING
     scheduler: Any = None
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    # The loggers by name (the logger group), each with its _target_; built by
+    # ddpexp.loggers.build_loggers on global rank 0.
+    logger: Any = field(default_factory=dict)
     seed: int = 0
     resume: Optional[str] = None
     # Start a new run in a hydra.run.dir that already holds one, replacing it.
@@ -470,7 +473,7 @@ def preflight(args: list[str]) -> Optional[str]:
 
 
 # What a run writes into its dir; overwrite=true removes these before the new run starts.
-RUN_OUTPUTS = (".hydra", "checkpoints", "tb", "metrics.json")
+RUN_OUTPUTS = (".hydra", "checkpoints", "tb", "metrics.json", "metrics.csv")
 
 
 def holds_run(path: Path) -> bool:

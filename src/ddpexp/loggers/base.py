@@ -1,0 +1,91 @@
+"""The logger contract: what a logger knows of its run (:class:`RunInfo`) and the calls the
+trainer makes on it (:class:`Logger`).
+
+Only global rank 0 builds loggers. The trainer calls, in this order: ``load_state_dict(saved)``
+(when resuming from a checkpoint that holds the logger's state), ``open(run)``,
+``log_hparams(run.hparams)`` (fresh runs only), ``log_metrics(...)`` at every log step, epoch
+end and test, ``state_dict()`` at every checkpoint, and ``finalize(status)`` once at the end,
+also after an exception. ``prepare`` runs once in the launching process, before any worker or
+sweep job starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+# Statuses (metrics.json's) that end a run as intended; the others end it early or badly.
+SUCCESS_STATUSES = ("completed", "early_stopped", "stopped")
+
+
+@dataclass
+class RunInfo:
+    """What a logger knows of the run it records."""
+
+    # The run dir (or the sweep job's dir).
+    run_dir: Path
+    # Display name: the run dir relative to the outputs root, e.g. "2026-12-01/10-20-00" or
+    # "multirun/2026-12-01/10-20-00/3".
+    name: str
+    # The resolved config, plain Python (nested dicts and lists).
+    config: dict
+    # The run's command-line overrides as {key: value} (what a sweep varies).
+    hparams: dict
+    # True when this session continues a checkpoint.
+    resumed: bool
+    # Optimizer steps already done: 0 when fresh, the checkpoint's step when resumed.
+    step: int
+
+    @property
+    def outputs_root(self) -> Path:
+        """The dir that holds every run, found by taking ``name`` off the end of ``run_dir``
+        (``outputs/multirun/D/T/3`` named ``multirun/D/T/3`` -> ``outputs``); the run dir's
+        parent when ``name`` is not its tail."""
+        run_dir = Path(self.run_dir)
+        parts = Path(self.name).parts
+        if parts and run_dir.parts[-len(parts):] == parts and len(run_dir.parts) > len(parts):
+            return run_dir.parents[len(parts) - 1]
+        return run_dir.parent
+
+
+class Logger:
+    """Base class of every logger; a user's own logger subclasses it and is named by
+    ``_target_`` under ``logger.<name>`` (its other keys are its constructor's arguments).
+
+    Every method has a do-nothing default, so a logger overrides only what it records. The
+    trainer calls them on global rank 0 only; values are plain Python.
+    """
+
+    def open(self, run: RunInfo) -> None:
+        """Start recording ``run``: before the first step, after any resume state was loaded
+        (``load_state_dict`` comes before ``open``). When ``run.resumed``, points with a step
+        above ``run.step`` may already be stored (logged after the checkpoint, before the
+        session ended): they will be logged again, and must not appear twice."""
+
+    def log_hparams(self, params: Mapping[str, Any]) -> None:
+        """The run's hyperparameters (its command-line overrides); fresh runs only."""
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int, epoch: int) -> None:
+        """One point per name (``train/loss``, ``val/acc``, ``best/val/acc``, ``lr``, ...) at
+        optimizer step ``step`` during epoch ``epoch``."""
+
+    def finalize(self, status: str) -> None:
+        """Called once at the end with the run's status (completed, early_stopped,
+        interrupted, failed, diverged, pruned, stopped). Must also be safe after an
+        exception, including one raised before or inside ``open``."""
+
+    def state_dict(self) -> dict:
+        """What a resumed session needs, saved in every checkpoint under ``loggers/<name>``:
+        plain data only (str, int, float, bool, None, lists, dicts), which
+        ``torch.load(weights_only=True)`` reads."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned, before :meth:`open` of a resumed run."""
+
+    @classmethod
+    def prepare(cls, node: dict, outputs_root: Path) -> None:
+        """Runs once in the launching process before any worker or sweep job starts (e.g. to
+        create a database schema that concurrent jobs then share); ``node`` is this logger's
+        config entry (``_target_`` included), ``outputs_root`` the dir that holds every run."""
