@@ -1,7 +1,8 @@
 """ddpexp: Hydra-configured PyTorch experiments where every run and sweep job is a DDP run.
 
-``ddpexp.Task`` (the task contract), ``ddpexp.DataSource`` (a user's own data) and
-``ddpexp.Logger`` (a user's own logger) are what a user's code subclasses; they, and the
+``ddpexp.Task`` (the task contract), ``ddpexp.DataSource`` (a user's own data),
+``ddpexp.Callback`` (a user's own callback) and ``ddpexp.Logger`` (a user's own logger) are
+what a user's code subclasses; they, and the
 submodules, are imported on first use so that ``import ddpexp`` stays cheap.
 """
 
@@ -14,6 +15,7 @@ _LAZY = {
     "Task": ("ddpexp.task", "Task"),
     "DataSource": ("ddpexp.data", "DataSource"),
     "Logger": ("ddpexp.loggers", "Logger"),
+    "Callback": ("ddpexp.callbacks", "Callback"),
 }
 
 

@@ -61,3 +61,12 @@ class StopRequested:
 
     def __bool__(self) -> bool:
         return self.signum is not None
+
+
+class Interrupted(Exception):
+    """What callbacks' ``on_exception`` receives when a stop signal ended the run (on every
+    rank, once the ranks agreed on it); ``signal`` is its name, e.g. ``"SIGTERM"``."""
+
+    def __init__(self, signal_name: Optional[str]):
+        super().__init__(f"stopped by {signal_name or 'a stop signal'}")
+        self.signal = signal_name
