@@ -110,12 +110,13 @@ def main(argv=None) -> None:
 
         ddpexp_times: list[float] = []
         trainer.train_loader = Interleaved(trainer.train_loader, k, plain_chunk, ddpexp_times)
-        trainer._open_outputs(resumed=False)  # its TensorBoard writer: log steps write to it
+        trainer._open_loggers()  # its TensorBoard writer: log steps write to it
+        trainer.callbacks.fire("on_fit_start", trainer)  # the default callbacks, as fit() has them
         trainer.model.train()
         try:
             trainer._train_epoch()
         finally:
-            trainer.tb.close()
+            trainer.loggers.finalize("completed")
 
     mine, theirs = ddpexp_times[2:], plain_times[2:]  # the first chunks warm both up
     ratios = [a / b for a, b in zip(mine, theirs)]

@@ -82,8 +82,8 @@ def test_ordinary_runs_stay_under_the_ceiling(tmp_path):
                                          "trainer.max_epochs=3", "trainer.log_every_n_steps=1"]}.items():
         trainer = build_trainer(tmp_path / name, [*overrides, "trainer.test=false"])
         assert trainer.fit()["status"] == "completed", name
-        start = trainer.ceiling.start
-        assert 0 < start < 3 and trainer.ceiling.limit == pytest.approx(start + 99 * max(start, 1))
+        start = trainer.divergence.ceiling.start
+        assert 0 < start < 3 and trainer.divergence.ceiling.limit == pytest.approx(start + 99 * max(start, 1))
 
 
 def test_the_ceiling_rule():

@@ -36,7 +36,7 @@ def test_save_top_k_keeps_the_two_best_through_a_resume(tmp_path):
     ckpts = tmp_path / "checkpoints"
     first = build_trainer(tmp_path, [*args, "trainer.max_epochs=2"]).fit()
     assert len(list(ckpts.glob("epoch*.pt"))) == 2
-    assert len(_load(ckpts / "last.pt")["top_k"]["kept"]) == 2  # the ranking is in the checkpoint
+    assert len(_load(ckpts / "last.pt")["callbacks"]["checkpoint"]["top_k"]["kept"]) == 2  # the ranking is in the checkpoint
     result = build_trainer(tmp_path, [*args, "trainer.max_epochs=5"]).fit(resume_from=ckpts / "last.pt")
     assert len(result["history"]) == 5 and result["history"][:2] == first["history"]
     best_two = sorted(result["history"], key=lambda h: h["val/loss"])[:2]
@@ -106,7 +106,7 @@ def test_ema_and_top_k_resume_exactly_under_ddp(workdir):
     shutil.copy(first, again / first.name)  # the ranking in it names this file
     run_cli([*args, f"resume={again.parent}"], workdir, timeout=150)
     a, b = _load(again / "last.pt"), _load(whole / "checkpoints/last.pt")
-    for key in ("model", "raw_model", "ema", "optimizer", "step", "top_k", "history"):
+    for key in ("model", "raw_model", "ema", "optimizer", "step", "callbacks", "history"):
         assert_same_tensors(a[key], b[key], key)
     names = lambda d: sorted(p.name for p in (d / "checkpoints").glob("epoch*.pt"))  # noqa: E731
     assert names(again.parent) == names(whole) and len(names(whole)) == 3

@@ -121,7 +121,7 @@ def test_channels_last_default_follows_the_model(tmp_path, overrides, expected):
     the setting (or, left null, the model having 2-d convolutions on the CPU) says so."""
     trainer = build_trainer(tmp_path, ["data=synthetic", "data.num_samples=8", "data.val_samples=4",
                                        "data.shape=[3,8,8]", "data.batch_size=4", *overrides])
-    x, _ = trainer._to_device(next(iter(trainer.train_loader)))
+    x, _ = trainer.to_device(next(iter(trainer.train_loader)))
     cl = torch.channels_last
     assert x.dim() == 4 and x.is_contiguous(memory_format=cl) is expected
     convs = [m.weight for m in trainer.module.modules() if isinstance(m, torch.nn.Conv2d)]
@@ -220,7 +220,7 @@ def test_an_error_in_a_user_model_keeps_its_cause(tmp_path, tutorial_conf):
 
 def test_channels_last_default_on_gpus_only_with_tensor_core_precisions():
     from ddpexp.models import MLP, ConvNet
-    from ddpexp.trainer import _channels_last_pays
+    from ddpexp.probe import channels_last_pays as _channels_last_pays
 
     conv, mlp = ConvNet(input_shape=[3, 8, 8], num_classes=2), MLP(input_shape=[3, 8, 8], num_classes=2)
     cuda = torch.device("cuda", 0)

@@ -1,9 +1,9 @@
 """Checkpoint files: written atomically (by global rank 0 only), read safely
 (``weights_only=True``, always), found for ``resume=``.
 
-This module only reads and writes files; what a checkpoint holds is the trainer's
-``state_dict()`` (its docstring documents the schema), which holds the unwrapped model's
-weights under ``"model"``.
+This module only reads and writes files; what a checkpoint holds is gathered by
+:mod:`ddpexp.state` (its docstring documents the schema), the unwrapped model's weights under
+``"model"``.
 """
 
 from __future__ import annotations
@@ -218,15 +218,19 @@ def _fix(path: Path, fix: Optional[str]) -> str:
     return f"Point resume= at {alternative}, or start afresh."
 
 
-def find(resume: Optional[str], run_dir: Path) -> Optional[Path]:
+def find(resume: Optional[str], run_dir: Path, base: Optional[Path] = None) -> Optional[Path]:
     """The checkpoint ``resume`` asks for: ``auto`` -> ``run_dir``'s last.pt if any, a run dir
-    -> its last.pt, a file -> that file. ``None`` means start from scratch."""
+    -> its last.pt, a file -> that file. ``None`` means start from scratch. A relative path is
+    taken from ``base`` (where the command was started; Hydra may have moved into the run
+    dir since, with ``hydra.job.chdir=true``)."""
     if resume in (None, ""):
         return None
     if resume == "auto":
         last = run_dir / "checkpoints" / LAST
         return last if last.exists() else None
     target = Path(resume).expanduser()
+    if base is not None and not target.is_absolute():
+        target = Path(base) / target
     if target.is_dir():
         last = target / "checkpoints" / LAST
         if not last.exists():
@@ -239,3 +243,4 @@ def find(resume: Optional[str], run_dir: Path) -> Optional[Path]:
     raise CheckpointError(
         f"resume={resume} is neither auto, a run dir nor a checkpoint file that exists"
     )
+

@@ -135,8 +135,9 @@ class DdpexpConfig:
     optimizer: Any = MISSING
     scheduler: Any = None
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    # The loggers by name (the logger group), each with its _target_; built by
-    # ddpexp.loggers.build_loggers on global rank 0.
+    # Dicts of entries by name, each built by its _target_ (ddpexp.components): the
+    # callbacks (every rank) and the loggers (global rank 0).
+    callbacks: Any = field(default_factory=dict)
     logger: Any = field(default_factory=dict)
     seed: int = 0
     resume: Optional[str] = None

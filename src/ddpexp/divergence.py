@@ -48,3 +48,61 @@ class LossCeiling:
         """Whether the (finite) agreed training loss ``loss`` is past the ceiling."""
         limit = self.limit
         return limit is not None and loss > limit
+
+
+class Divergence:
+    """Where a run diverged, once its ranks agreed that it did (falsy until then)."""
+
+    def __init__(self, factor: Optional[float]):
+        self.ceiling = LossCeiling(factor)  # its start is set by the probe batch
+        self.at: Optional[dict] = None  # {"step", "epoch", "loss"}
+
+    def __bool__(self) -> bool:
+        return self.at is not None
+
+    def check(self, nonfinite: float, loss_sum: float, seen: float, own_loss: Optional[float],
+              step: int, epoch: int) -> None:
+        """At an agreement point: ``nonfinite`` counts the non-finite training sums of all
+        ranks, ``loss_sum / seen`` is the agreed training loss since the last log step, and
+        ``own_loss`` this rank's own pending sum (named when only it went non-finite)."""
+        if self.at is not None:
+            return
+        if nonfinite:
+            self.note(step, epoch, own_loss if own_loss is not None and not math.isfinite(own_loss) else None)
+        elif seen and self.ceiling.exceeded(loss_sum / seen):
+            self.note(step, epoch, loss_sum / seen)
+
+    def note(self, step: int, epoch: int, loss: Optional[float] = None) -> None:
+        """The run diverged at ``step``: ``loss`` is the finite loss past the ceiling, or the
+        non-finite one (None: not finite, or the weights themselves)."""
+        if self.at is None:
+            self.at = {"step": step, "epoch": epoch, "loss": loss}
+
+    @property
+    def exploded(self) -> bool:
+        """Whether it is a finite loss past trainer.divergence_factor."""
+        loss = (self.at or {}).get("loss")
+        return loss is not None and math.isfinite(loss)
+
+    def warning(self) -> str:
+        """The log line when the run stops."""
+        return ("the training loss rose past trainer.divergence_factor times its start"
+                if self.exploded else "the training loss is not finite")
+
+    def message(self, lr: float, saved_step: Optional[int], precision: str) -> str:
+        """What happened and what to try, for the log and the run's failure."""
+        d = self.at or {}
+        what = {None: "NaN or infinite"}.get(d.get("loss"), str(d.get("loss")).replace("nan", "NaN"))
+        why = ""
+        if self.exploded:
+            what = f"{d['loss']:.4g}"
+            why = (f", over trainer.divergence_factor={self.ceiling.factor:g} times its start "
+                   f"({self.ceiling.start:.4g})")
+        kept = "the weights from before the rise" if self.exploded else "the last finite weights"
+        saved = (f"checkpoints/last.pt keeps {kept} (step {saved_step})"
+                 if saved_step is not None else "no checkpoint had been written yet")
+        fixes = f"a smaller optimizer.lr (the last step used {lr:g}) or trainer.grad_clip=1.0"
+        if precision != "32":
+            fixes += ", or trainer.precision=32"
+        return (f"training diverged: the training loss became {what} by step {d.get('step')} "
+                f"(epoch {d.get('epoch')}){why}, so the run was stopped; {saved}. Try {fixes}")
