@@ -128,8 +128,9 @@ def run(cfg: DictConfig) -> Optional[float]:
     except OmegaConfBaseException as exc:
         raise ConfigError(f"the config does not resolve: {exc}") from None
     plain["trainer"].update(strategy=plan.strategy, procs=plan.procs)
+    check_parts(plain, run_dir)
     fill_monitor(plain)
-    resume = checkpoint.find(cfg.resume, run_dir)
+    resume = checkpoint.find(cfg.resume, run_dir, base=Path(hydra_cfg.runtime.cwd))
     if resume is None and cfg.resume is None and under_submitit():
         # A submitit job requeued after SLURM's pre-timeout signal runs again in its own job
         # dir with the same overrides: the checkpoint it saved there is where it continues.
@@ -179,6 +180,18 @@ def run(cfg: DictConfig) -> Optional[float]:
              "n/a" if best is None else f"{best:.4f}",
              "".join(f", {k} {v:.4f}" for k, v in tested.items()), run_dir)
     return best  # selection is on validation only: the test metrics are never returned
+
+
+def check_parts(plain: dict, run_dir: Path) -> None:
+    """Refuse a bad ``callbacks`` or ``logger`` entry (no ``_target_``, one that does not
+    import, a class of the wrong kind) with one message, before any worker starts; then let
+    each logger prepare its store (an MLflow database's schema, say)."""
+    from ddpexp import components
+    from ddpexp.callbacks import Callback
+    from ddpexp.loggers import outputs_root, prepare_loggers
+
+    components.check("callbacks", plain.get("callbacks"), Callback)
+    prepare_loggers(plain.get("logger") or {}, outputs_root(run_dir))
 
 
 def _diverged(result: dict, hydra_cfg: Any) -> float:

@@ -24,6 +24,9 @@ from typing import Any
 from ddpexp.errors import RunInterrupted
 
 METRICS_FILE = "metrics.json"
+# The statuses of a run that ended as intended (its best.pt tested, a sweep's resume skips it);
+# the others (interrupted, failed, diverged, pruned) ended it early or badly.
+FINISHED = ("completed", "early_stopped", "stopped")
 # Where a launcher that starts each sweep job in a process of its own (ddpexp's) puts the time
 # (time.time()) it started it, so that the run's wall time counts the job's start-up too.
 JOB_STARTED_ENV = "DDPEXP_JOB_STARTED"

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-# Statuses (metrics.json's) that end a run as intended; the others end it early or badly.
-SUCCESS_STATUSES = ("completed", "early_stopped", "stopped")
+from ddpexp.record import FINISHED as SUCCESS_STATUSES  # the statuses of a run that ended as intended
 
 
 @dataclass
@@ -39,14 +38,26 @@ class RunInfo:
 
     @property
     def outputs_root(self) -> Path:
-        """The dir that holds every run, found by taking ``name`` off the end of ``run_dir``
-        (``outputs/multirun/D/T/3`` named ``multirun/D/T/3`` -> ``outputs``); the run dir's
-        parent when ``name`` is not its tail."""
-        run_dir = Path(self.run_dir)
-        parts = Path(self.name).parts
-        if parts and run_dir.parts[-len(parts):] == parts and len(run_dir.parts) > len(parts):
-            return run_dir.parents[len(parts) - 1]
-        return run_dir.parent
+        """The dir that holds every run (see :func:`outputs_root`)."""
+        return outputs_root(self.run_dir)
+
+
+def outputs_root(run_dir: Path) -> Path:
+    """The dir that holds every run: the nearest ancestor of ``run_dir`` named ``outputs``
+    (the default layout, ``outputs/D/T`` and ``outputs/multirun/D/T/3``), else the run dir's
+    parent (a sweep's dir, for its jobs)."""
+    run_dir = Path(run_dir).absolute()
+    for parent in run_dir.parents:
+        if parent.name == "outputs":
+            return parent
+    return run_dir.parent
+
+
+def run_name(run_dir: Path) -> str:
+    """A run's display name: its dir below :func:`outputs_root` (``2026-12-01/10-20-00``,
+    ``multirun/2026-12-01/10-20-00/3``)."""
+    run_dir = Path(run_dir).absolute()
+    return run_dir.relative_to(outputs_root(run_dir)).as_posix()
 
 
 class Logger:

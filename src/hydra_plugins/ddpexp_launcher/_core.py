@@ -43,7 +43,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ddpexp.config import command_line_override
 from ddpexp.errors import RunInterrupted
-from ddpexp.record import JOB_STARTED_ENV, read_metrics_or_empty
+from ddpexp.record import FINISHED, JOB_STARTED_ENV, read_metrics_or_empty
 
 log = logging.getLogger("hydra_plugins.ddpexp_launcher")
 
@@ -173,6 +173,7 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
     """Run the jobs as processes, at most ``max_parallel`` at once; return one JobReturn per
     job, in order (a failed job's ``return_value`` raises its exception)."""
     sweep_dir = begin(launcher)
+    _prepare_loggers(launcher.config, sweep_dir)
     log.info("ddp launcher: %d job(s) in %s, up to %d at once", len(job_overrides), sweep_dir,
              max(1, int(launcher.max_parallel)))
     jobs = [prepare(launcher, list(o), i, sweep_dir)
@@ -211,6 +212,18 @@ def begin(launcher: Any) -> Path:
     sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
     sweep_dir.mkdir(parents=True, exist_ok=True)
     return sweep_dir
+
+
+def _prepare_loggers(config: Any, sweep_dir: Path) -> None:
+    """The loggers' stores, made once here before jobs start side by side (one MLflow
+    database for the whole sweep, its schema created by one process)."""
+    from omegaconf import OmegaConf
+
+    from ddpexp.loggers import outputs_root, prepare_loggers
+
+    node = OmegaConf.select(config, "logger")
+    if node:
+        prepare_loggers(OmegaConf.to_container(node, resolve=True), outputs_root(sweep_dir / "0"))
 
 
 class Pool:
@@ -328,7 +341,7 @@ def _check_resume(job: Job) -> None:
                 f"{' '.join(now)}: resume a sweep with the overrides it was started with"))
             return
     metrics = read_metrics_or_empty(job.dir)
-    if metrics.get("status") != "completed":
+    if metrics.get("status") not in FINISHED:
         return
     monitor = metrics.get("monitor")
     value = (metrics.get("best") or {}).get(monitor) if monitor else None
