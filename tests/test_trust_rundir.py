@@ -54,7 +54,7 @@ def test_a_run_dir_is_guarded_and_resumed_however_it_is_quoted(tmp_path, monkeyp
     assert command_line_values([resume]) == {"resume": name}
     code, text = run_cli_here([*TINY, "trainer.max_epochs=2", resume], tmp_path, monkeypatch, capsys)
     assert code == 0, text
-    assert f"resumed from {name}/checkpoints/last.pt at epoch 1" in text
+    assert f"resumed from {tmp_path / name}/checkpoints/last.pt at epoch 1" in text
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["status"] == "completed" and metrics["epochs"] == 2
     assert (run_dir / ".hydra" / "config.yaml").read_bytes() == before[".hydra/config.yaml"]
@@ -71,7 +71,7 @@ def test_resume_of_a_quoted_dir_that_exists_is_accepted(tmp_path, monkeypatch, c
     for arg in spellings("resume", NAME):
         code, text = run_cli_here([*TINY, "trainer.max_epochs=2", arg], tmp_path, monkeypatch, capsys)
         assert code == 0, (arg, text)
-        assert f"resumed from {NAME}/checkpoints/last.pt" in text
+        assert f"resumed from {tmp_path / NAME}/checkpoints/last.pt" in text
 
 
 def test_a_quoted_sweep_dir_of_an_earlier_sweep_is_guarded(tmp_path, monkeypatch, capsys):
@@ -99,3 +99,14 @@ def test_command_line_values_are_what_hydra_reads():
                                   "~model", "trainer.nodes=2", "overwrite=true", "bad=é"])
     assert values == {"resume": "auto", "seed": SWEPT, "trainer.nodes": 2, "overwrite": True}
     assert command_line_override("resume", "outputs/run") == "resume=outputs/run"
+
+
+def test_a_relative_resume_is_read_from_where_the_command_ran_even_after_chdir(tmp_path, monkeypatch, capsys):
+    """With hydra.job.chdir=true Hydra runs the job inside its run dir; resume=<relative
+    path> still means the path as typed, from where the command was started."""
+    code, text = run_cli_here([*TINY, "hydra.run.dir=outputs/first"], tmp_path, monkeypatch, capsys)
+    assert code == 0, text
+    code, text = run_cli_here([*TINY, "trainer.max_epochs=2", "hydra.job.chdir=true",
+                               "resume=outputs/first"], tmp_path, monkeypatch, capsys)
+    assert code == 0, text
+    assert "resumed from" in text and json.loads((tmp_path / "outputs/first/metrics.json").read_text())["epochs"] == 2
