@@ -200,3 +200,35 @@ def test_a_bad_callback_entry_is_one_message_before_any_worker(workdir, monkeypa
     assert code != 0 and message in out, out
     assert "Traceback" not in out and out.count(message) == 1
     assert not list(workdir.glob("outputs/**/metrics.json"))  # nothing ran
+
+
+class Counter(Callback):
+    def __init__(self):
+        self.steps = 0
+
+    def on_train_batch_end(self, trainer):
+        self.steps += 1
+
+    def state_dict(self):
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state):
+        self.steps = state["steps"]
+
+
+def test_a_state_without_its_callback_and_a_callback_without_state_are_one_warning_each(tmp_path, caplog):
+    args = [*ARGS, "trainer.max_epochs=1", "trainer.test=false"]
+    first = build_trainer(tmp_path, args)
+    first.callbacks = Dispatch({**dict(first.callbacks), "counter": Counter()})
+    first.fit()
+    last = tmp_path / "checkpoints/last.pt"
+    assert torch.load(last, weights_only=True)["callbacks"]["counter"] == {"steps": first.step}
+    again = build_trainer(tmp_path, [*args, "trainer.max_epochs=2"])
+    again.callbacks = Dispatch({**dict(again.callbacks), "other": Counter()})
+    with caplog.at_level("WARNING", logger="ddpexp"):
+        again.fit(resume_from=last)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings.count("callbacks.other has no state in the checkpoint: it starts afresh") == 1
+    assert warnings.count("the checkpoint holds the state of callbacks counter, which this run "
+                          "does not have: ignored") == 1
+    assert dict(again.callbacks)["other"].steps == again.step - first.step
