@@ -13,7 +13,7 @@ from ddpexp.callbacks.base import Callback
 from ddpexp.config import trainer_config
 from ddpexp.data import DataSource
 from ddpexp.dist import DistContext, seed_everything
-from ddpexp.errors import ConfigError
+from ddpexp.errors import ConfigError, DdpexpError
 from ddpexp.loggers import build_loggers
 from ddpexp.probe import check_sample_shape
 
@@ -39,7 +39,14 @@ def build_parts(config: dict, ctx: DistContext) -> dict[str, Any]:
     for key, attr in _FROM_DATA.items():
         if key in config["model"] and config["model"][key] is None:
             config["model"][key] = getattr(data, attr, None)
-    task = instantiate(config["task"], _convert_="all")
+    if "num_classes" in config["task"] and config["task"]["num_classes"] is None:
+        config["task"]["num_classes"] = config["data"].get("num_classes")
+    try:
+        task = instantiate(config["task"], _convert_="all")
+    except Exception as exc:  # Hydra wraps what the task's constructor raised
+        if isinstance(exc.__cause__, DdpexpError):
+            raise exc.__cause__ from None
+        raise
     seed_everything(config["seed"])  # the same initial weights on every rank
     model = instantiate(config["model"], _convert_="all")
     if not isinstance(model, nn.Module):

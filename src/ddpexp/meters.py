@@ -14,23 +14,28 @@ import torch
 
 from ddpexp.errors import ConfigError
 
+# The entry of a task step's dict that is not a metric: what the task's update_metrics feeds
+# to its metric objects over a whole split (predictions, say). Never logged.
+OUTPUTS = "outputs"
+
 
 def metric_names(out: Any, task: str, method: str) -> list[str]:
     """The names of a task step's metrics, checked once: a dict of scalar tensors with
-    ``loss`` among them."""
+    ``loss`` among them (and, aside, perhaps an ``"outputs"`` entry of any kind)."""
     if not isinstance(out, Mapping) or "loss" not in out:
         got = sorted(out) if isinstance(out, Mapping) else type(out).__name__
         raise ConfigError(
             f"task {task}: {method} must return a dict of scalar tensors with a 'loss' entry; "
             f"got {got}"
         )
-    bad = [k for k, v in out.items() if not (isinstance(v, torch.Tensor) and v.numel() == 1)]
+    bad = [k for k, v in out.items()
+           if k != OUTPUTS and not (isinstance(v, torch.Tensor) and v.numel() == 1)]
     if bad:
         raise ConfigError(
             f"task {task}: {method} returned non-scalar values for {', '.join(map(str, bad))}; "
             "each entry must be the mean over the batch's samples (a scalar tensor)"
         )
-    return list(out)
+    return [k for k in out if k != OUTPUTS]
 
 
 class RunningMeans:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 # Name parts of metrics where larger is better; any other metric a user monitors is minimised.
-_LARGER_IS_BETTER = ("acc", "f1", "auc", "precision", "recall", "score", "iou", "dice", "r2",
-                     "bleu")
+_LARGER_IS_BETTER = ("acc", "f1", "auc", "auroc", "precision", "recall", "score", "iou", "dice",
+                     "r2", "bleu")
 
 
 def resolve_monitor(task_target: str, monitor: Optional[str] = None,

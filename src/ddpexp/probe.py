@@ -36,12 +36,39 @@ def check_task(trainer: "Trainer") -> list[str]:
     names = metric_names(out, task, "validation_step")
     returned = [f"val/{n}" for n in names] + [f"val/{n}" for n in trainer.task.derived(
         {n: float(out[n]) for n in names})]
+    returned += check_split_metrics(trainer, out, probe, returned)
     if trainer.monitor not in returned:
         raise ConfigError(
             f"trainer.monitor={trainer.monitor} is not a metric of the task ({task}); "
             f"it returns {', '.join(returned)}"
         )
     return names
+
+
+def check_split_metrics(trainer: "Trainer", out: Mapping[str, Any], batch: Any,
+                        returned: list[str]) -> list[str]:
+    """Feed the probe batch to the task's metric objects (then reset them), so that a
+    validation step and an ``update_metrics`` that do not fit fail here; return their
+    ``val/<name>``."""
+    whole = trainer.split_metrics
+    if not whole:
+        return []
+    task = type(trainer.task).__name__
+    clash = [n for n in whole.names if f"val/{n}" in returned]
+    if clash:
+        raise ConfigError(f"task {task}: split_metrics() and validation_step both name "
+                          f"{', '.join(clash)}; give each metric one name")
+    try:
+        whole.update(out, batch)
+    except (RuntimeError, ValueError, TypeError, IndexError, AttributeError) as exc:
+        raise ConfigError(
+            f"task {task}: its metric objects cannot take a validation batch: {first_line(exc)}. "
+            "validation_step returns what they need under \"outputs\", and update_metrics("
+            "metrics, outputs, batch) feeds them (by default update(outputs, target))"
+        ) from exc
+    finally:
+        whole.reset()
+    return [f"val/{n}" for n in whole.names]
 
 
 def check_batch(trainer: "Trainer") -> None:

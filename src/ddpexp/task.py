@@ -25,6 +25,17 @@ The contract, in one place:
 - ``derived(means) -> dict[str, float]``: optional; metrics computed from the aggregated
   means, such as a perplexity from the mean loss.
 - ``monitor`` / ``monitor_mode``: optional class attributes.
+- ``split_metrics() -> dict[str, Metric]``: optional; fresh metric objects (torchmetrics
+  ``Metric`` objects, or anything with ``update``/``compute``/``reset``) for what is not a mean over
+  samples (an F1, an AUROC, an R2). Each is logged as ``val/<name>`` and ``test/<name>``,
+  counted over the whole split whatever the number of ranks: the trainer keeps them on the
+  device, updates them batch by batch and computes them once per evaluation on every rank
+  (torchmetrics gathers the ranks' states then), then resets them.
+- ``update_metrics(metrics, outputs, batch)``: optional; feeds one validation batch to the
+  metric objects. ``outputs`` is what ``validation_step`` returned under the key
+  ``"outputs"`` (the predictions, say: anything; never logged), so no second forward pass is
+  needed. By default each metric gets ``update(outputs, target)`` for batches ``(inputs,
+  target)``.
 - ``check(model, batch)``: optional; called once on a batch of training samples before the
   first step, to turn a mistake (labels out of range, say) into a :class:`ConfigError`
   naming the key to fix, where the step itself would fail obscurely later. It may compare
@@ -42,7 +53,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -82,9 +93,21 @@ class Task:
     def check(self, model: nn.Module, batch: Any) -> None:
         """Checks of one batch of training samples before the first step (none by default)."""
 
+    def split_metrics(self) -> dict[str, Any]:
+        """Fresh metric objects over a whole split, by name (none by default)."""
+        return {}
+
+    def update_metrics(self, metrics: Mapping[str, Any], outputs: Any, batch: Any) -> None:
+        """Feed one batch to ``metrics``: ``update(outputs, target)`` of batches ``(inputs,
+        target)``; ``outputs`` is the ``"outputs"`` entry of :meth:`validation_step`."""
+        _, target = _pair(batch, type(self).__name__)
+        for metric in metrics.values():
+            metric.update(outputs, target)
+
 
 # What a task may leave out; Task's own definitions are the defaults.
-_OPTIONAL_METHODS = ("validation_step", "batch_size", "derived", "check")
+_OPTIONAL_METHODS = ("validation_step", "batch_size", "derived", "check", "split_metrics",
+                     "update_metrics")
 _OPTIONAL_ATTRIBUTES = ("monitor", "monitor_mode")
 
 
@@ -159,15 +182,61 @@ def _output(out: Any, task: str) -> torch.Tensor:
     return out
 
 
+# task.metrics of task=classification: over the whole split, macro-averaged over the classes.
+CLASSIFICATION_METRICS = ("f1", "auroc")
+
+
 class Classification(Task):
-    """Cross-entropy over class logits; reports ``loss`` and ``acc``."""
+    """Cross-entropy over class logits; reports ``loss`` and ``acc``, and the metrics over the
+    whole split that ``metrics`` names (``f1``: macro F1; ``auroc``: macro one-vs-rest AUROC,
+    exact, or binned at ``thresholds`` thresholds)."""
 
     monitor = "val/acc"
     monitor_mode = "max"
 
-    def training_step(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+    def __init__(self, metrics: Sequence[str] = (), num_classes: Optional[int] = None,
+                 thresholds: Optional[int] = None):
+        unknown = [m for m in metrics if m not in CLASSIFICATION_METRICS]
+        if unknown:
+            raise ConfigError(
+                f"task.metrics: {', '.join(map(str, unknown))} "
+                f"{'is' if len(unknown) == 1 else 'are'} not a metric of task=classification; "
+                f"the known ones are {', '.join(CLASSIFICATION_METRICS)}"
+            )
+        if metrics and (num_classes is None or num_classes < 2):
+            raise ConfigError(f"task.metrics needs task.num_classes >= 2 (got {num_classes}); "
+                              "set data.num_classes")
+        if thresholds is not None and (isinstance(thresholds, bool) or int(thresholds) < 2):
+            raise ConfigError(f"task.thresholds={thresholds!r}: null (exact AUROC) or an "
+                              "integer >= 2 (binned AUROC)")
+        self.metric_names = list(dict.fromkeys(metrics))
+        self.num_classes, self.thresholds = num_classes, thresholds
+
+    def split_metrics(self) -> dict[str, Any]:
+        from torchmetrics.classification import MulticlassAUROC, MulticlassF1Score
+
+        # validate_args=False: the checks compare values on the host, a sync per batch.
+        build = {
+            "f1": lambda: MulticlassF1Score(self.num_classes, average="macro", validate_args=False),
+            "auroc": lambda: MulticlassAUROC(self.num_classes, average="macro",
+                                             thresholds=self.thresholds, validate_args=False),
+        }
+        return {name: build[name]() for name in self.metric_names}
+
+    def validation_step(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
         x, y = _pair(batch, "classification")
         logits = _output(model(x), "classification").float()
+        out = self._metrics_of(logits, y)
+        if self.metric_names:
+            out["outputs"] = logits.softmax(-1)  # probabilities, as the AUROC reads them
+        return out
+
+    def training_step(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        x, y = _pair(batch, "classification")
+        return self._metrics_of(_output(model(x), "classification").float(), y)
+
+    @staticmethod
+    def _metrics_of(logits: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         loss = F.cross_entropy(logits, y)
         # float64: k/n exact to 1e-16, so that summing n * acc over batches recounts k.
         acc = (logits.detach().argmax(1) == y).double().mean()

@@ -43,6 +43,7 @@ from ddpexp.errors import ConfigError
 from ddpexp.meters import RunningMeans, means
 from ddpexp.record import FINISHED, write_metrics
 from ddpexp.signals import Interrupted
+from ddpexp.split_metrics import SplitMetrics
 from ddpexp.task import Task, as_task
 from ddpexp.watchdog import BACKWARD, DATA, FORWARD, OPTIMIZER, VALIDATION, heartbeat_from_env
 
@@ -93,6 +94,7 @@ class Trainer:
         self.rank_seed = built.rank_seed
         self._init_state()
         self._place_model(model)
+        self.split_metrics = SplitMetrics(self.task, self.device)
         # The probes run before the strategy wraps the model: a model that falls back from
         # channels_last must have its final layout before DDP lays out its gradient buckets.
         self.val_names = probe.check_task(self)
@@ -429,19 +431,29 @@ class Trainer:
     def evaluate(self, loader: Any, prefix: str = "val") -> dict[str, float]:
         """The task's validation metrics over the whole dataset behind ``loader`` (this rank's
         shard of it, from :meth:`eval_loader`), each sample counted once across ranks, as
-        ``prefix/<name>``. The unwrapped model is used, so no collective runs per batch."""
+        ``prefix/<name>``, then the task's metrics over the whole split
+        (:mod:`ddpexp.split_metrics`). The unwrapped model is used, so no collective runs per
+        batch."""
         self.beat.mark(VALIDATION, self.step)
         self._sync_buffers()
         self.module.eval()
         sums = RunningMeans(self.device, self.val_names)
+        whole = self.split_metrics
+        if whole:
+            whole.reset()  # an evaluation cut short (a signal) leaves nothing behind
         for batch in loader:
             batch = self.to_device(batch)
             with self.autocast():
                 out = self.task.validation_step(self.module, batch)
             sums.add(out, self.task.batch_size(batch))
+            if whole:
+                whole.update(out, batch)
         *totals, count = self._reduce(sums.pending(), sums.seen)
         self.evaluated_samples = int(count)  # all ranks' (fewer than the split's with a limit)
-        return means(self.val_names, totals, count, prefix, self.task.derived)
+        values = means(self.val_names, totals, count, prefix, self.task.derived)
+        if whole:
+            values.update(whole.compute(prefix))
+        return values
 
     def _test(self) -> None:
         """``test/<name>`` of ``best.pt`` (:func:`ddpexp.evaluation.evaluate_best`)."""
