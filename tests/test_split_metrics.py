@@ -1,7 +1,8 @@
 """Metrics over a whole split: task.metrics=[f1,auroc] equal scikit-learn's on the same
 predictions; one checkpoint evaluated on 1, 2, 3 and 7 workers gives the same values; a
 user's task with a torchmetrics object logs it to TensorBoard and metrics.json;
-trainer.monitor=val/auroc picks best.pt; an unknown name is one message."""
+trainer.monitor=val/auroc picks best.pt; task.thresholds bins the AUROC; an unknown name is
+one message."""
 
 from __future__ import annotations
 
@@ -76,6 +77,16 @@ def test_unknown_metric_is_one_message_with_the_known_ones(tmp_path: Path, monke
                              monkeypatch, capsys)
     assert code != 0 and out.count("the known ones are f1, auroc") == 1, out
     assert "Traceback" not in out
+
+
+def test_binned_auroc_at_task_thresholds(tmp_path: Path):
+    exact = build_trainer(tmp_path / "exact", [*ODD, *METRICS, "trainer.max_epochs=1"]).fit()
+    binned = build_trainer(tmp_path / "binned", [*ODD, *METRICS, "trainer.max_epochs=1",
+                                                 "task.thresholds=1000"]).fit()
+    assert binned["final"]["val/f1"] == exact["final"]["val/f1"]
+    assert binned["final"]["val/auroc"] == pytest.approx(exact["final"]["val/auroc"], abs=0.02)
+    with pytest.raises(ConfigError, match=r"task.thresholds=1: null \(exact AUROC\) or an integer"):
+        build_trainer(tmp_path / "bad", [*ODD, *METRICS, "task.thresholds=1"])
 
 
 @pytest.mark.slow

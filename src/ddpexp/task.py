@@ -17,7 +17,8 @@ The contract, in one place:
 
 - ``training_step(model, batch) -> dict[str, Tensor]``: scalar tensors, each the **mean over
   the batch's samples**; ``"loss"`` is required and is what is back-propagated. ``model`` is
-  the (DDP-wrapped, possibly compiled) model to call.
+  the (DDP-wrapped, possibly compiled) model to call. Beside the means, the dict may hold
+  an ``"outputs"`` entry of any kind, never logged: what :meth:`Task.update_metrics` reads.
 - ``validation_step(model, batch)``: optional, the same convention; by default
   ``training_step`` (the trainer runs it under ``torch.no_grad`` with the model in eval mode).
 - ``batch_size(batch) -> int``: optional; by default the length of the first tensor found in
