@@ -147,3 +147,9 @@ def test_user_task_with_a_torchmetrics_object_logs_it(tmp_path: Path, monkeypatc
     assert [v for _, v in scalars["val/r2"]] == pytest.approx(
         [h["val/r2"] for h in m["history"]], abs=1e-6)
     assert "train/outputs" not in scalars and "test/r2" in scalars
+    # The sweep summary and ddpexp.report are written from the same rows.
+    from ddpexp import report
+
+    header, row = report.format_rows(report.collect(tmp_path / "outputs"), "csv").splitlines()[:2]
+    columns = dict(zip(header.split(","), row.split(",")))
+    assert float(columns["test/r2"]) == pytest.approx(m["test"]["test/r2"], abs=1e-4)
