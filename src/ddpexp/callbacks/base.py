@@ -128,15 +128,5 @@ class Dispatch:
         for method in self._bound[event]:
             method(*args)
 
-    def implemented(self, event: str) -> bool:
-        return bool(self._bound[event])
-
     def __iter__(self) -> Iterable[tuple[str, Callback]]:
         return iter(self.callbacks.items())
-
-    def get(self, name: str) -> Any:
-        return self.callbacks.get(name)
-
-    def find(self, kind: type) -> list[Callback]:
-        """The callbacks that are instances of ``kind``."""
-        return [cb for cb in self.callbacks.values() if isinstance(cb, kind)]
