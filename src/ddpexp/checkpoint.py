@@ -4,6 +4,12 @@
 This module only reads and writes files; what a checkpoint holds is gathered by
 :mod:`ddpexp.state` (its docstring documents the schema), the unwrapped model's weights under
 ``"model"``.
+
+A checkpoint is one file, or (``last.pt`` of a ``strategy=fsdp`` run) a sharded directory:
+torch.distributed.checkpoint's files, each rank's shards of the weights and the optimizer
+state written by that rank, plus ``meta.pt`` (everything else, one ``torch.save`` file). Such a
+directory is written under a temporary name and renamed into place; while the rename happens
+the previous one waits beside it as ``last.pt.previous``, which :func:`find` falls back to.
 """
 
 from __future__ import annotations
@@ -27,6 +33,10 @@ from ddpexp.errors import CheckpointError
 
 LAST, BEST = "last.pt", "best.pt"
 _TMP_MARK = ".tmp-"
+META = "meta.pt"  # a sharded checkpoint's non-tensor entries
+_PREVIOUS = ".previous"  # a sharded checkpoint being replaced
+# The entries of a sharded checkpoint that torch.distributed.checkpoint holds.
+SHARDED_KEYS = ("model", "raw_model", "optimizer")
 
 
 def save_atomic(obj: dict, path: Path) -> None:
@@ -124,9 +134,85 @@ def remove_stale_temporaries(directory: Path) -> list[Path]:
     if directory.is_dir():
         for p in directory.iterdir():
             if _TMP_MARK in p.name:
-                p.unlink(missing_ok=True)
+                _remove(p)
                 removed.append(p)
     return removed
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def is_sharded(path: Path | str) -> bool:
+    """Whether ``path`` is a sharded checkpoint directory."""
+    path = Path(path)
+    return path.is_dir() and (path / ".metadata").is_file() and (path / META).is_file()
+
+
+def save_sharded(tensors: dict, meta: Optional[dict], path: Path, is_main: bool) -> None:
+    """Write a sharded checkpoint at ``path``; every rank calls it with its own shards in
+    ``tensors`` (DTensors), global rank 0 also with ``meta``. A crash at any instant leaves
+    the previous checkpoint readable (at ``path`` or, mid-rename, ``path.previous``)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    tmp = path.with_name(f"{path.name}{_TMP_MARK}sharded")
+    if is_main:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _remove(tmp)
+    if dist.is_initialized():
+        dist.barrier()  # nobody writes into the temporary dir before it is empty
+    dcp.save(tensors, checkpoint_id=str(tmp))  # returns once every rank's shards are written
+    if not is_main:
+        return
+    with open(tmp / META, "wb") as f:
+        torch.save(meta, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    previous = path.with_name(path.name + _PREVIOUS)
+    _remove(previous)
+    if path.exists():
+        os.replace(path, previous)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    _remove(previous)
+
+
+def load_sharded(path: Path, keys: tuple[str, ...] = ("model", "raw_model"),
+                 template: Optional[dict] = None) -> dict:
+    """A sharded checkpoint's ``meta.pt`` entries plus its tensors. With ``template``
+    (every rank of the run that reads it, each passing its own shards: DTensors or whole
+    tensors), the tensors are read into it, resharded to this run's layout; without, this
+    process alone reads ``keys`` as whole tensors on the CPU."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+
+    meta = _load_meta(path)
+    if template is not None:
+        dcp.load(template, checkpoint_id=str(path))
+        return {**meta, **template}
+    stored = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    wanted = {k for k in keys if any(name == k or name.startswith(k + ".") for name in stored)}
+    tensors: dict = {}
+    if wanted:
+        dcp.load(tensors, checkpoint_id=str(path), planner=_EmptyStateDictLoadPlanner(keys=wanted),
+                 no_dist=True)
+    return {**meta, **tensors}
+
+
+def _load_meta(path: Path) -> dict:
+    meta_file = path / META
+    try:
+        meta = torch.load(meta_file, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as exc:
+        raise _corrupt(meta_file, exc) from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path} is not a ddpexp checkpoint ({META} holds no dict)")
+    return meta
 
 
 def load(path: Path | str, map_location: Any = "cpu", mmap: bool = False,
@@ -138,6 +224,11 @@ def load(path: Path | str, map_location: Any = "cpu", mmap: bool = False,
     uses before a run starts. ``fix`` is what a corrupt file's message advises (default: how
     to resume from another checkpoint)."""
     path = Path(path)
+    if is_sharded(path):
+        ckpt = load_sharded(path)
+        if "model" not in ckpt:
+            raise CheckpointError(f"{path} is not a ddpexp checkpoint (no 'model' entry)")
+        return ckpt
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     _check_kind(path, fix)
@@ -193,7 +284,21 @@ def _check_kind(path: Path, fix: Optional[str]) -> None:
 
 def verify(path: Path | str) -> None:
     """Check, before any worker starts, that ``path`` loads safely: a corrupt or unsafe file
-    then fails the command at once, before the run dir's metrics.json is touched."""
+    then fails the command at once, before the run dir's metrics.json is touched. A
+    sharded checkpoint's ``meta.pt`` and index are read; its shards are read when it loads."""
+    path = Path(path)
+    if path.is_dir():
+        if not is_sharded(path):
+            raise CheckpointError(f"{path} is a directory, not a checkpoint (a sharded one holds "
+                                  f".metadata and {META})")
+        _load_meta(path)
+        import torch.distributed.checkpoint as dcp
+
+        try:
+            dcp.FileSystemReader(str(path)).read_metadata()
+        except Exception as exc:  # torch raises what its unpickler or the file system did
+            raise _corrupt(path / ".metadata", exc) from None
+        return
     load(path, mmap=True)
 
 
@@ -226,16 +331,20 @@ def find(resume: Optional[str], run_dir: Path, base: Optional[Path] = None) -> O
     if resume in (None, ""):
         return None
     if resume == "auto":
-        last = run_dir / "checkpoints" / LAST
-        return last if last.exists() else None
+        return newest_last(run_dir / "checkpoints")
     target = Path(resume).expanduser()
     if base is not None and not target.is_absolute():
         target = Path(base) / target
+    if not target.exists() and target.name == LAST and newest_last(target.parent):
+        return newest_last(target.parent)
+    if is_sharded(target):
+        return target
     if target.is_dir():
-        last = target / "checkpoints" / LAST
-        if not last.exists():
+        last = newest_last(target / "checkpoints")
+        if last is None:
             raise CheckpointError(
-                f"resume={resume}: {last} does not exist (the run saved no checkpoint yet)"
+                f"resume={resume}: {target / 'checkpoints' / LAST} does not exist (the run "
+                "saved no checkpoint yet)"
             )
         return last
     if target.is_file():
@@ -244,3 +353,11 @@ def find(resume: Optional[str], run_dir: Path, base: Optional[Path] = None) -> O
         f"resume={resume} is neither auto, a run dir nor a checkpoint file that exists"
     )
 
+
+def newest_last(directory: Path) -> Optional[Path]:
+    """``directory``'s last.pt, or the sharded one a crash left mid-rename; None if neither."""
+    last = directory / LAST
+    if last.exists():
+        return last
+    previous = directory / (LAST + _PREVIOUS)
+    return previous if is_sharded(previous) else None

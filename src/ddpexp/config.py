@@ -36,6 +36,7 @@ class Strategy(Enum):
 
     auto = "auto"
     ddp = "ddp"
+    fsdp = "fsdp"
     dp = "dp"
     single = "single"
 
@@ -48,6 +49,20 @@ class MonitorMode(Enum):
 
 
 PRECISIONS = ("32", "bf16", "16")
+
+
+@dataclass
+class FSDPConfig:
+    """``trainer.fsdp.*``: how ``strategy=fsdp`` shards the model (docs/config.md)."""
+
+    # Class names of the modules sharded as units, before the root; None = the model's
+    # ddpexp_blocks(), else the built-in rule (ddpexp.blocks).
+    wrap: Optional[list[str]] = None
+    # Free each unit's gathered parameters after its forward (gathered again in backward):
+    # less memory, one more all-gather per unit and step.
+    reshard_after_forward: bool = True
+    # Keep the parameter, gradient and optimizer shards in CPU memory (GPU runs).
+    cpu_offload: bool = False
 
 
 @dataclass
@@ -72,6 +87,11 @@ class TrainerConfig:
     precision: str = "32"
     # Micro-batches per optimizer step (no_sync under DDP).
     accumulate: int = 1
+    # strategy=fsdp's sharding (trainer.fsdp.wrap, reshard_after_forward, cpu_offload).
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    # Recompute each block's activations in the backward pass (ddp, fsdp, single): less
+    # memory for one more forward per block.
+    activation_checkpointing: bool = False
     # Max total gradient norm; None = off.
     grad_clip: Optional[float] = None
     # Whole-group restarts after a worker dies, each resuming from last.pt.

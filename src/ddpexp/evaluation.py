@@ -28,18 +28,18 @@ def evaluate_checkpoint(trainer: Any, path: Path, split: str = "test") -> Option
         raise ConfigError(f"data={type(trainer.data).__name__} has no {split} split; "
                           "evaluate split=val, or give the data a test split")
     epoch = torch.tensor([-1], dtype=torch.long, device=trainer.device)
-    if trainer.is_main and Path(path).is_file():
-        state = ckpt_io.load(path, map_location=trainer.device)
-        trainer.module.load_state_dict(state["model"])
+    weights = None
+    if trainer.is_main and (Path(path).is_file() or ckpt_io.is_sharded(path)):
+        state = ckpt_io.load(path, map_location="cpu")
+        weights = state["model"]
         # The epoch whose weights these are: the last validated one when it was saved.
         history = state.get("history") or [{"epoch": max(0, state.get("epoch", 1) - 1)}]
         epoch.fill_(int(history[-1]["epoch"]))
     if trainer.world_size > 1:
         dist.broadcast(epoch, src=0)
-        for tensor in trainer.module.state_dict().values():
-            dist.broadcast(tensor, src=0)
     if int(epoch) < 0:
         return None
+    trainer.strategy.load_full_weights(trainer.module, weights)
     # The weights just loaded are the ones to evaluate (with EMA, the averaged ones of that
     # checkpoint), not the run's current average.
     values = trainer.evaluate(trainer.eval_loader(dataset), split)
@@ -57,7 +57,7 @@ def evaluate_best(trainer: Any) -> Optional[dict]:
     best = trainer.ckpt_dir / ckpt_io.BEST
     if trainer.is_main and not best.is_file():
         log.warning("%s does not exist: test skipped", best)
-    last = {k: v.to("cpu", copy=True) for k, v in trainer.module.state_dict().items()}
+    last = trainer.strategy.snapshot(trainer.module)
     result = evaluate_checkpoint(trainer, best, "test")
     trainer.module.load_state_dict(last)
     if result is not None and trainer.is_main:

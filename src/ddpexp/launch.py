@@ -134,8 +134,8 @@ def run(cfg: DictConfig) -> Optional[float]:
     if resume is None and cfg.resume is None and under_submitit():
         # A submitit job requeued after SLURM's pre-timeout signal runs again in its own job
         # dir with the same overrides: the checkpoint it saved there is where it continues.
-        last = run_dir / "checkpoints" / checkpoint.LAST
-        if last.is_file():
+        last = checkpoint.newest_last(run_dir / "checkpoints")
+        if last is not None:
             log.info("requeued submitit job: continuing %s", last)
             resume = last
     if resume is not None:

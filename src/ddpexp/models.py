@@ -173,6 +173,12 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
+    def ddpexp_blocks(self) -> list[nn.Module]:
+        """The transformer blocks: the units FSDP shards and activation checkpointing
+        recomputes (the embeddings, the final norm and the tied output layer stay in the
+        root's unit, so the tied weight is one parameter)."""
+        return list(self.blocks)
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
         if t > self.block_size:

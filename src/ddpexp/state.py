@@ -49,19 +49,21 @@ FORMAT = 3
 
 def gather(trainer: "Trainer") -> Optional[dict]:
     """The checkpoint of ``trainer`` as it is now. Every rank must call it (it gathers each
-    rank's random state); global rank 0 gets the dict, the others ``None``."""
+    rank's random state); global rank 0 gets the dict, the others ``None``; under a sharded
+    strategy (fsdp) every rank gets it, ``"model"`` and ``"optimizer"`` holding its shards."""
     mine = {"rng": rng_state(), "train_accum": trainer.train_means.state_dict()}
     ranks = [mine]
     if trainer.world_size > 1:
         ranks = [None] * trainer.world_size
         dist.all_gather_object(ranks, mine)
-    if not trainer.is_main:
+    strategy = trainer.strategy
+    if not trainer.is_main and not strategy.sharded:
         return None
     epoch, batch = trainer.resume_point()
     state = {
         "format": FORMAT,
-        "model": trainer.module.state_dict(),
-        "optimizer": trainer.optimizer.state_dict(),
+        "model": strategy.model_state(trainer.module),
+        "optimizer": strategy.optimizer_state(trainer.module, trainer.optimizer),
         "scheduler": trainer.scheduler.state_dict() if trainer.scheduler is not None else None,
         "scaler": trainer.scaler.state_dict() if trainer.scaler.is_enabled() else None,
         "epoch": epoch,
@@ -74,6 +76,9 @@ def gather(trainer: "Trainer") -> Optional[dict]:
         "loggers": trainer.loggers.state_dict(),
         "ranks": ranks,
         "world_size": trainer.world_size,
+        # Samples per micro-batch over all ranks: where "batch" is in the epoch at another
+        # world size or batch size.
+        "global_batch": trainer.data.batch_size * trainer.world_size,
         "config": trainer.config,
     }
     trainer.callbacks.fire("on_save_checkpoint", trainer, state)
@@ -81,14 +86,32 @@ def gather(trainer: "Trainer") -> Optional[dict]:
 
 
 def load(trainer: "Trainer", path: Path) -> None:
-    """Resume ``trainer`` from the checkpoint file ``path`` (every rank reads it)."""
-    state = ckpt_io.load(path, map_location=trainer.device)
-    differs = model_difference(trainer.module.state_dict(), state["model"])
+    """Resume ``trainer`` from the checkpoint at ``path``, a file or a sharded directory
+    written at any world size (every rank reads it)."""
+    sharded = ckpt_io.is_sharded(path)
+    if sharded:
+        from ddpexp.strategies import sharded_shapes
+
+        state = None
+        saved = {k: torch.empty(shape, device="meta")
+                 for k, shape in sharded_shapes(path).get("model", {}).items()}
+    else:
+        state = ckpt_io.load(path, map_location=trainer.device)
+        saved = state["model"]
+    differs = model_difference(trainer.module.state_dict(), saved)
     if differs:
         raise ConfigError(
             f"checkpoint {path} does not fit this run's model: {differs}. Resume with the "
             "model config the run was started with (its .hydra/config.yaml)"
         )
+    strategy = trainer.strategy
+    state = strategy.read_sharded(trainer.module, trainer.optimizer, path) if sharded else \
+        strategy.from_file(trainer.module, trainer.optimizer, state)
+    if "optimizer" not in state:
+        raise ConfigError(
+            f"checkpoint {path} holds the weights only (best.pt and the top-k files of an fsdp "
+            f"run); resume from its run's checkpoints/{ckpt_io.LAST}, or evaluate it with "
+            "python -m ddpexp.eval")
     try:
         restore(trainer, state)
     except (RuntimeError, KeyError, ValueError, TypeError) as exc:
@@ -111,12 +134,13 @@ def restore(trainer: "Trainer", state: dict) -> None:
                         "this run has none: it continues the trained weights", state["ema"]["decay"])
         state["model"] = state.pop("raw_model")
     t.module.load_state_dict(state["model"])
-    t.optimizer.load_state_dict(state["optimizer"])
+    t.strategy.load_optimizer(t.module, t.optimizer, state["optimizer"])
     if t.scheduler is not None and state.get("scheduler") is not None:
         t.scheduler.load_state_dict(_schedule_progress(state["scheduler"]))
     if state.get("scaler") is not None and t.scaler.is_enabled():
         t.scaler.load_state_dict(state["scaler"])
-    t.epoch, t.batch, t.step = state["epoch"], state["batch"], state["step"]
+    t.epoch, t.step = state["epoch"], state["step"]
+    t.batch = _batch_here(state, t.data.batch_size * t.world_size, is_main)
     t.best_value, t.best_epoch = state["best"]["value"], state["best"]["epoch"]
     t.metrics, t.history = state["metrics"], list(state["history"])
     _hand_out("callbacks", dict(t.callbacks), callback_states(state), is_main)
@@ -130,6 +154,24 @@ def restore(trainer: "Trainer", state: dict) -> None:
         log.warning("checkpoint written by %d workers, resumed on %d: random streams start "
                     "afresh, so the run is not bit-identical to an uninterrupted one",
                     state["world_size"], t.world_size)
+
+
+def _batch_here(state: dict, global_batch: int, is_main: bool) -> int:
+    """The checkpoint's position in its epoch in this run's micro-batches: the same number
+    of samples seen over all ranks, so that a run resumed at another world size with the
+    same global batch continues at the same sample."""
+    saved = state.get("global_batch")
+    if saved is None:
+        config = state.get("config") or {}
+        saved = (config.get("data") or {}).get("batch_size", 0) * state.get("world_size", 1)
+    if not saved or saved == global_batch or not state["batch"]:
+        return state["batch"]
+    samples = state["batch"] * saved
+    if samples % global_batch and is_main:
+        log.warning("the checkpoint is %d samples into epoch %d, not a whole number of this run's "
+                    "%d-sample micro-batches: the epoch continues at the micro-batch before",
+                    samples, state["epoch"], global_batch)
+    return samples // global_batch
 
 
 def callback_states(ckpt: Mapping[str, Any]) -> dict:

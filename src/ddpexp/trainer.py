@@ -99,6 +99,7 @@ class Trainer:
         # channels_last must have its final layout before DDP lays out its gradient buckets.
         self.val_names = probe.check_task(self)
         self.strategy = strategies.for_config(cfg, ctx)
+        self.strategy.checkpoint_activations(self.module)
         self.module = self.strategy.prepare(self.module)
         self.model = self.strategy.wrap(self.module)
         self.forward = torch.compile(self.model) if cfg.compile else self.model
@@ -359,8 +360,7 @@ class Trainer:
             if clip is not None:
                 self._grad_norm = self.strategy.clip(self.params, clip)
             else:
-                grads = [p.grad for p in self.params if p.grad is not None]
-                self._grad_norm = nn.utils.get_total_norm(grads) if grads else None
+                self._grad_norm = self.strategy.grad_norm(self.params)
         self.callbacks.fire("on_before_optimizer_step", self)
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -441,10 +441,12 @@ class Trainer:
         whole = self.split_metrics
         if whole:
             whole.reset()  # an evaluation cut short (a signal) leaves nothing behind
-        for batch in loader:
+        for batch, counted in self.strategy.eval_batches(loader):
             batch = self.to_device(batch)
             with self.autocast():
                 out = self.task.validation_step(self.module, batch)
+            if not counted:  # a forward that only keeps the ranks in step (fsdp)
+                continue
             sums.add(out, self.task.batch_size(batch))
             if whole:
                 whole.update(out, batch)

@@ -21,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddpexp import dist as ddist
 from ddpexp import proc
-from ddpexp.checkpoint import LAST
+from ddpexp.checkpoint import newest_last
 from ddpexp.failures import explain_os_error
 from ddpexp.trainer import Trainer
 
@@ -85,13 +85,13 @@ def run_worker(payload: WorkerPayload) -> Optional[dict]:
     set_threads(ctx.local_world_size)
     resume_from = payload.resume_from
     if ctx.restart > 0:
-        last = Path(payload.run_dir) / "checkpoints" / LAST
-        resume_from = str(last) if last.exists() else resume_from
+        last = newest_last(Path(payload.run_dir) / "checkpoints")
+        resume_from = str(last) if last is not None else resume_from
         if ctx.is_main:
             log.warning("restart %d of the worker group: resuming from %s", ctx.restart,
                         resume_from or "scratch (no checkpoint yet)")
     ddist.init_process_group(ctx, trainer_cfg["dist_timeout_s"],
-                             force=trainer_cfg["strategy"] == "ddp")
+                             force=trainer_cfg["strategy"] in ("ddp", "fsdp"))
     try:
         trainer = Trainer.from_config(cfg, ctx, Path(payload.run_dir), payload.hparams)
         if payload.eval_checkpoint is not None:

@@ -90,7 +90,9 @@ class Callback:
         the other ranks may be gone."""
 
     def on_save_checkpoint(self, trainer: "Trainer", checkpoint: dict) -> None:
-        """Rank 0, before ``checkpoint`` (the dict about to be written) is saved."""
+        """Before ``checkpoint`` (the dict about to be written) is saved: on rank 0, or on
+        every rank under ``strategy=fsdp``, where each rank writes its shards (its
+        ``"model"`` then holds this rank's shards of the weights)."""
 
     def on_load_checkpoint(self, trainer: "Trainer", checkpoint: dict) -> None:
         """Every rank, when a checkpoint is resumed, before the trainer reads its weights."""

@@ -4,7 +4,8 @@ monitored metric improved, and with ``save_top_k=K`` the K best epochs' files.
 
 It runs last among the callbacks at each event, so a checkpoint holds the state that every
 other callback reached in its epoch. Saving gathers every rank's random state (a collective
-on every rank); global rank 0 writes. Non-finite weights are never written: every rank holds
+on every rank); global rank 0 writes, or under ``strategy=fsdp`` every rank writes its shards
+of ``last.pt`` (a directory) and rank 0 writes best.pt and the top-k files, whole weights. Non-finite weights are never written: every rank holds
 the same weights and reaches the same verdict, and the run then stops as diverged.
 """
 
@@ -12,8 +13,6 @@ from __future__ import annotations
 
 import logging
 from typing import Any, Mapping, Optional
-
-import torch
 
 from ddpexp import checkpoint as ckpt_io
 from ddpexp.callbacks.base import LAST, Callback
@@ -80,7 +79,7 @@ class ModelCheckpoint(Callback):
         top-k file of a validation ``ranked`` = (value, epoch) that makes the top k). Files
         that fell out of the top k are deleted only once the new checkpoint is on disk."""
         trainer.beat.mark(CHECKPOINT, trainer.step)
-        if not all(bool(torch.isfinite(p).all()) for p in trainer.module.parameters()):
+        if not trainer.strategy.all_finite(trainer.module):
             trainer.divergence.note(trainer.step, trainer.epoch)
             return
         entry, dropped = None, []
@@ -88,16 +87,11 @@ class ModelCheckpoint(Callback):
             entry, dropped = self.top_k.offer(*ranked)  # before the state, which holds it
         state = trainer.checkpoint_state()
         trainer.last_saved_step = trainer.step
-        if state is None:  # not rank 0
-            return
-        last = self.dir / ckpt_io.LAST
-        ckpt_io.save_atomic(state, last)
-        if best:
-            ckpt_io.copy_atomic(last, self.dir / ckpt_io.BEST)
-        if entry is not None:
-            ckpt_io.copy_atomic(last, self.dir / entry)
-        for name in dropped:
-            (self.dir / name).unlink(missing_ok=True)
+        copies = ([self.dir / ckpt_io.BEST] if best else []) + ([self.dir / entry] if entry else [])
+        trainer.strategy.save(state, self.dir / ckpt_io.LAST, copies)
+        if trainer.is_main:
+            for name in dropped:
+                (self.dir / name).unlink(missing_ok=True)
 
     def state_dict(self) -> dict:
         return {"top_k": self.top_k.state_dict() if self.top_k is not None else None}
