@@ -7,13 +7,14 @@ a killed worker named."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from conftest import read_metrics, run_cli
+from conftest import only_run_dir, read_metrics, run_cli
 from ddpexp.checkpoint import is_sharded
 
 pytestmark = pytest.mark.slow
@@ -140,3 +141,59 @@ def test_gpt_blocks_tied_weights_and_activation_checkpointing(workdir):
                 n_head=2, n_embd=32)
     model.load_state_dict(best["model"], strict=True)
     assert model.head.weight is model.tok.weight
+
+
+def whole_weights(run_dir: Path) -> dict:
+    from ddpexp.checkpoint import load
+
+    return load(run_dir / "checkpoints" / "last.pt")["model"]
+
+
+def test_sharded_checkpoints_resume_at_any_world_size(workdir):
+    """A 2-worker fsdp run stopped mid-epoch (step 12 of 20) resumes bit-exactly on 2
+    workers, and on 1 and 4 workers with the same global batch (32) continues at the same
+    sample, within 1e-4 of the uninterrupted run; ddpexp.eval reads the sharded last.pt and
+    best.pt alike."""
+    common = [*TINY, "trainer.strategy=fsdp", "optimizer=adamw", "trainer.procs=2",
+              "data.batch_size=16"]
+    runs = sweep(workdir, {"whole": ["trainer.max_steps=20"], "first": ["trainer.max_steps=12"]},
+                 common)
+    first, whole = runs["first"], runs["whole"]
+    m = read_metrics(first)
+    assert m["steps"] == 12 and m["epochs"] == 1  # 8 steps an epoch: stopped mid-epoch
+    meta = torch.load(first / "checkpoints" / "last.pt" / "meta.pt", weights_only=True)
+    assert (meta["epoch"], meta["batch"], meta["global_batch"]) == (1, 4, 32)
+    (workdir / "conf").rename(workdir / "conf-first")
+    (workdir / "sweep").rename(workdir / "sweep-first")
+    first = workdir / "sweep-first" / first.name
+    runs = sweep(workdir, {
+        "same": ["trainer.procs=2", "data.batch_size=16"],
+        "one": ["trainer.procs=1", "data.batch_size=32"],
+        "four": ["trainer.procs=4", "data.batch_size=8"],
+    }, [*TINY, "trainer.strategy=fsdp", "optimizer=adamw", "trainer.max_steps=20",
+        f"resume={first}"])
+    whole = workdir / "sweep-first" / whole.name
+    expected = read_metrics(whole)
+    same = read_metrics(runs["same"])
+    assert same["final"] == expected["final"] and same["steps"] == 20
+    for name, tensor in whole_weights(whole).items():
+        assert torch.equal(whole_weights(runs["same"])[name], tensor), name
+    for name in ("one", "four"):
+        got = read_metrics(runs[name])
+        assert got["steps"] == 20 and got["world_size"] == {"one": 1, "four": 4}[name]
+        assert got["final"]["val/loss"] == pytest.approx(expected["final"]["val/loss"], rel=1e-4)
+    log = (runs["four"] / "ddpexp.log").read_text()
+    assert "checkpoint written by 2 workers, resumed on 4" in log
+
+    for target in (runs["four"], runs["four"] / "checkpoints" / "last.pt"):
+        res = run_cli([str(target), "split=val", "trainer.procs=2"], workdir, module="ddpexp.eval")
+        assert "val/loss" in res.stdout, res.output
+
+
+def test_killed_fsdp_worker_ends_the_run_naming_its_rank(workdir):
+    started = time.time()
+    res = run_cli([*TINY, "trainer.strategy=fsdp", "trainer.procs=2", "model._target_=faulty.Faulty",
+                   "+model.mode=kill"], workdir, env=env(), expect_ok=False, timeout=90)
+    assert res.returncode != 0 and time.time() - started < 60
+    assert "was killed by SIGKILL" in res.stderr or "rank 1 was killed by a signal" in res.stderr, res.stderr
+    assert read_metrics(only_run_dir(workdir))["status"] == "failed"

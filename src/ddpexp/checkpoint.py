@@ -20,7 +20,7 @@ import pickle
 import re
 import shutil
 from pathlib import Path
-from typing import Any, BinaryIO, Optional
+from typing import Any, BinaryIO, Optional, Sequence
 
 try:
     import fcntl
@@ -182,7 +182,7 @@ def save_sharded(tensors: dict, meta: Optional[dict], path: Path, is_main: bool)
     _remove(previous)
 
 
-def load_sharded(path: Path, keys: tuple[str, ...] = ("model", "raw_model"),
+def load_sharded(path: Path, keys: Sequence[str] = ("model", "raw_model"),
                  template: Optional[dict] = None) -> dict:
     """A sharded checkpoint's ``meta.pt`` entries plus its tensors. With ``template``
     (every rank of the run that reads it, each passing its own shards: DTensors or whole
@@ -190,17 +190,17 @@ def load_sharded(path: Path, keys: tuple[str, ...] = ("model", "raw_model"),
     process alone reads ``keys`` as whole tensors on the CPU."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     meta = _load_meta(path)
     if template is not None:
         dcp.load(template, checkpoint_id=str(path))
         return {**meta, **template}
-    stored = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-    wanted = {k for k in keys if any(name == k or name.startswith(k + ".") for name in stored)}
+    # torch's loader without a template: the tensors of ``keys`` as the metadata describes
+    # them, whole, read by this process alone (no process group needed).
     tensors: dict = {}
-    if wanted:
-        dcp.load(tensors, checkpoint_id=str(path), planner=_EmptyStateDictLoadPlanner(keys=wanted),
-                 no_dist=True)
+    _load_state_dict(state_dict=tensors, storage_reader=dcp.FileSystemReader(str(path)),
+                     planner=_EmptyStateDictLoadPlanner(keys=set(keys)), no_dist=True)
     return {**meta, **tensors}
 
 

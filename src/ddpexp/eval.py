@@ -33,7 +33,7 @@ def targets(path: Path) -> list[tuple[str, Path, Path]]:
     from ddpexp.report import run_dirs
 
     path = Path(path)
-    if path.is_file():
+    if path.is_file() or ckpt_io.is_sharded(path):  # a file, or an fsdp run's sharded last.pt
         run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
         return [(run_dir.name, run_dir, path)]
     if not path.is_dir():
@@ -95,13 +95,15 @@ def evaluate(run_dir: Path, checkpoint: Path, overrides: Sequence[str] = ()) -> 
     from ddpexp.launch import dispatch, plan_run
     from ddpexp.worker import WorkerPayload
 
-    if not checkpoint.is_file():
+    sharded = ckpt_io.is_sharded(checkpoint)
+    if not checkpoint.is_file() and not sharded:
         raise CheckpointError(
             f"checkpoint {checkpoint} does not exist (the run saved no best checkpoint); give "
             "a checkpoint file instead, e.g. its checkpoints/last.pt"
         )
     fix = "Evaluate another checkpoint of the run (checkpoints/last.pt or best.pt)."
-    state = ckpt_io.load(checkpoint, fix=fix)
+    # The config is all this process needs; the workers read the weights.
+    state = ckpt_io.load_sharded(checkpoint, keys=()) if sharded else ckpt_io.load(checkpoint, fix=fix)
     if not isinstance(state.get("config"), dict) or "trainer" not in state["config"]:
         raise CheckpointError(f"checkpoint {checkpoint} holds no run config to rebuild the model from")
     config, split = apply_overrides(state["config"], overrides)
