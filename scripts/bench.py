@@ -86,7 +86,7 @@ class Case:
     jobs: int = 1  # > 1: a sweep of this many runs (seed=0..jobs-1)
     samples: Optional[int] = None  # None: exactly the samples the steps use
     device: str = "cpu"
-    strategy: str = "ddp"  # ddp | dp (one process)
+    strategy: str = "ddp"  # ddp | dp (one process) | fsdp
     precision: str = "32"  # 32 | bf16
     compile: bool = False
     throughput: bool = True  # False: a run measured whole (wall, memory), not per step
@@ -109,7 +109,7 @@ class Case:
             extra += [f"trainer.gpus={self.procs}"]
         else:
             extra += [f"trainer.procs={self.procs}"]
-        if self.device == "cuda" or self.strategy == "dp" or self.procs == 1:
+        if self.device == "cuda" or self.strategy != "ddp" or self.procs == 1:
             # The strategy as asked: DDP even on one rank, or DataParallel.
             extra += [f"trainer.strategy={self.strategy}"]
         if self.precision != "32":
@@ -269,7 +269,7 @@ def runners_for(case: Case, peers: bool = False) -> list[str]:
     """The throughput targets' cases compare both input pipelines; the others do not depend
     on it. Lightning (a peer) runs single runs; it has no DataParallel (removed in 2.0)."""
     runners = ["ddpexp", DL, "plain"] if case.steady and case.name in TARGETS else ["ddpexp", "plain"]
-    if peers and case.jobs == 1 and case.strategy != "dp":
+    if peers and case.jobs == 1 and case.strategy == "ddp":
         runners.append(PEER)
     return runners
 
@@ -462,6 +462,70 @@ def _sweep_wall_s(output: str) -> float:
     return (stamps[-1] - stamps[0]).total_seconds()
 
 
+# ---------------------------------------------------------------------- the fsdp case
+FSDP = "fsdp"
+
+
+def fsdp_args(quick: bool, strategy: str, text: Path, out: Path) -> list[str]:
+    """The GPT of about 151M parameters (12 blocks of width 1024) with AdamW on 2 workers
+    (quick: 2 blocks of width 64), the same run under ``strategy``."""
+    size = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4"] if quick else \
+        ["model.n_layer=12", "model.n_embd=1024", "model.n_head=16"]
+    steps, every = (4, 2) if quick else (9, 3)
+    return [sys.executable, "-m", "ddpexp", "task=lm", "model=gpt", *size, "data=text",
+            f"data.path={text}", "data.block_size=64", "data.batch_size=4", "optimizer=adamw",
+            "trainer.procs=2", f"trainer.strategy={strategy}", f"trainer.max_steps={steps}",
+            f"trainer.log_every_n_steps={every}", "trainer.limit_val_batches=2", "trainer.test=false",
+            "trainer.progress_bar=false", "+callbacks.model_state._target_=ddpexp.callbacks.ModelStateSize",
+            f"hydra.run.dir={out}"]
+
+
+def fsdp_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str:
+    """ddp and fsdp on the same GPT run, alternating which goes first: the largest process's
+    peak RSS, the per-rank model state (counted by the ModelStateSize callback) against
+    16 bytes a parameter divided by the ranks, per-step time and tokens/s; a markdown table
+    of medians and the memory ratio's verdict."""
+    figures: dict[str, list[dict]] = {"ddp": [], "fsdp": []}
+    block, batch, procs = 64, 4, 2
+    with tempfile.TemporaryDirectory(prefix="ddpexp-bench-fsdp-") as tmp:
+        text = Path(tmp) / "text.txt"
+        text.write_text((ROOT / "README.md").read_text())
+        for r in range(repeats):
+            for strategy in (["ddp", "fsdp"] if r % 2 == 0 else ["fsdp", "ddp"]):
+                out = Path(tmp) / f"{strategy}-{r}"
+                _, wall, rss = run_command(fsdp_args(quick, strategy, text, out), Path(tmp), env, timeout)
+                sc = _scalars(out / "tb")
+                rate = steady_rate(sc.get("train/samples_per_s", []), 3 if not quick else 2)
+                figures[strategy].append({
+                    "rss_mib": rss, "wall_s": wall, "samples_per_s": rate,
+                    "state_bytes": sc["memory/model_state_bytes"][0].value,
+                    "params": sc["memory/parameters"][0].value})
+                print(f"[{r + 1}/{repeats}] fsdp-case {strategy:4s} wall {wall:6.1f}s  "
+                      f"max RSS {rss:.0f}MiB  samples/s {_fmt(rate)}", file=sys.stderr, flush=True)
+
+    def med(strategy: str, key: str) -> Optional[float]:
+        values = [f[key] for f in figures[strategy] if f[key] is not None]
+        return statistics.median(values) if values else None
+
+    params = figures["ddp"][0]["params"]
+    lines = [f"GPT of {params / 1e6:.1f}M parameters, AdamW, {procs} workers on the CPU (gloo), "
+             f"{batch} x {block} tokens per worker and step; medians of {repeats} round(s)", "",
+             "| strategy | model state per rank MiB | / (16P/N) | peak RSS MiB (largest process) "
+             "| s per step | tokens/s |", "|---|---|---|---|---|---|"]
+    for strategy, world in (("ddp", 1), ("fsdp", procs)):
+        state, rate = med(strategy, "state_bytes"), med(strategy, "samples_per_s")
+        lines.append(
+            f"| {strategy} | {state / 2**20:.0f} | {state / (16 * params / world):.3f} | "
+            f"{med(strategy, 'rss_mib'):.0f} | {_fmt(batch * procs / rate if rate else None, 3)} | "
+            f"{_fmt(rate * block if rate else None, 0)} |")
+    ratio = med("fsdp", "rss_mib") / med("ddp", "rss_mib")
+    state_ratio = med("fsdp", "state_bytes") / (16 * params / procs)
+    lines += ["", f"fsdp/ddp peak RSS: {ratio:.2f} (target <= 0.7: {'met' if ratio <= 0.7 else 'MISSED'}); "
+              f"fsdp model state per rank / (16P/N): {state_ratio:.3f} "
+              f"(target <= 1.02: {'met' if state_ratio <= 1.02 else 'MISSED'})"]
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------- main
 def make_cases(quick: bool, only: Optional[list[str]]) -> list[Case]:
     if quick:
@@ -496,6 +560,7 @@ def gpu_cases(dry_run: bool, only: Optional[list[str]]) -> tuple[list[Case], lis
         Case("gpu-fp32", "convnet", 256, **base),
         Case("gpu-bf16", "convnet", 256, precision="bf16", **base),
         Case("gpu-dp", "convnet", 256, strategy="dp", **base),
+        Case("gpu-fsdp", "convnet", 256, strategy="fsdp", precision="bf16", **base),
         Case("gpu-compile", "convnet", 256, precision="bf16", compile=True, **base),
     ]
     skipped = []
@@ -521,7 +586,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None, help="rounds (default 3; 1 with --quick)")
     p.add_argument("--cases", nargs="+", default=None,
                    help="a subset of: overhead compute startup sweep search (--quick runs search "
-                        "only when named; with --gpu: gpu-fp32 gpu-bf16 gpu-dp gpu-compile)")
+                        "only when named; with --gpu: gpu-fp32 gpu-bf16 gpu-dp gpu-fsdp gpu-compile; fsdp: "
+                        "the memory case, only when named)")
     p.add_argument("--peers", action="store_true",
                    help="add Lightning (scripts/lightning_ddp.py) where it is installed")
     p.add_argument("--gpu", action="store_true", help="the GPU cases instead of the CPU ones")
@@ -539,7 +605,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     repeats = args.repeats or (1 if args.quick or args.dry_run else 3)
     skipped: list[str] = []
-    with_search = False
+    with_search = with_fsdp = False
     if args.gpu:
         cases, skipped = gpu_cases(args.dry_run, args.cases)
         if not args.dry_run:
@@ -550,7 +616,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                                  "--gpu --dry-run runs the GPU cases on the CPU")
     else:
         with_search = SEARCH in (args.cases or ([] if args.quick else [SEARCH]))
-        others = [c for c in args.cases or [] if c != SEARCH]
+        with_fsdp = FSDP in (args.cases or [])
+        others = [c for c in args.cases or [] if c not in (SEARCH, FSDP)]
         cases = make_cases(args.quick, others or None) if others or not args.cases else []
     peers = args.peers and lightning_installed()
     if args.peers and not peers:
@@ -586,6 +653,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     if with_search:
         print()
         print(search_bench(args.quick, repeats, env, args.timeout))
+    if with_fsdp:
+        print()
+        print(fsdp_bench(args.quick, repeats, env, args.timeout))
     if args.json:
         Path(args.json).write_text(json.dumps(
             {f"{c}/{r}": [vars(x) for x in runs] for (c, r), runs in res.runs.items()}, indent=2))

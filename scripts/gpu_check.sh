@@ -2,7 +2,8 @@
 # The GPU checks in one go, on a machine with CUDA and no network: make the project importable
 # (Hydra from the wheels in .whl/ when they are there, else the installed one), run the tests
 # marked gpu, run the benchmark's GPU cases (plain loop vs ddpexp vs Lightning where installed;
-# fp32 and bf16; DDP on one rank over NCCL and DataParallel; torch.compile on and off), and
+# fp32 and bf16; DDP on one rank over NCCL, DataParallel and FSDP in bf16; torch.compile on and
+# off), and
 # write a markdown table and the raw figures.
 #
 #   bash scripts/gpu_check.sh             # on one GPU: about 6-8 minutes on an H200
@@ -101,7 +102,7 @@ if [ "$DRY" = 1 ]; then
   COMPILE=()  # torch.compile's GPU path needs CUDA: gpu_cases() leaves it out of a dry run
 else
   BENCH=(--gpu --peers --repeats "${GPU_CHECK_REPEATS:-1}" --timeout 150
-         --cases gpu-fp32 gpu-bf16 gpu-dp)
+         --cases gpu-fp32 gpu-bf16 gpu-dp gpu-fsdp)
   COMPILE=(--gpu --peers --repeats 1 --timeout 200 --cases gpu-compile)
 fi
 run_step bench 240 "$PY" scripts/bench.py "${BENCH[@]}" --json "$OUT_DIR/bench.json" \

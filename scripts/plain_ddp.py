@@ -44,7 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--strategy", choices=("ddp", "dp"), default="ddp")
+    p.add_argument("--strategy", choices=("ddp", "dp", "fsdp"), default="ddp")
     p.add_argument("--precision", choices=("32", "bf16"), default="32")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--out", default=None, help="JSON file rank 0 writes its timings to")
@@ -83,7 +83,7 @@ def worker(rank: int, args: argparse.Namespace) -> None:
     from ddpexp.models import MLP, ConvNet
 
     cuda = args.device == "cuda"
-    ddp = args.strategy == "ddp"
+    ddp = args.strategy in ("ddp", "fsdp")  # one process per rank, a process group
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     torch.set_num_threads(max(1, (cores or 1) // args.procs))
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -100,7 +100,15 @@ def worker(rank: int, args: argparse.Namespace) -> None:
         torch.manual_seed(args.seed)
         cls = MLP if args.model == "mlp" else ConvNet
         model = cls(input_shape=args.shape, num_classes=args.num_classes).to(device)
-        if ddp:
+        if args.strategy == "fsdp":
+            # FSDP2 as its tutorial writes it: the whole model one unit, bf16 parameters and
+            # fp32 reduction where bf16 is asked for.
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+                if args.precision == "bf16" else MixedPrecisionPolicy()
+            fully_shard(model, mp_policy=mp)
+        elif ddp:
             model = DDP(model, device_ids=[rank] if cuda else None)
         elif torch.cuda.device_count() > 1:  # as ddpexp: DataParallel only over several GPUs
             model = nn.DataParallel(model)

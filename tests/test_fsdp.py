@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import only_run_dir, read_metrics, run_cli
+from conftest import only_run_dir, read_metrics, read_scalars, run_cli
 from ddpexp.checkpoint import is_sharded
 
 pytestmark = pytest.mark.slow
@@ -116,6 +116,7 @@ def test_gpt_blocks_tied_weights_and_activation_checkpointing(workdir):
               "model.dropout=0.1", "trainer.max_steps=2", "trainer.test=false", "optimizer=adamw",
               "trainer.log_every_n_steps=1", *GRADS]
     two, four = ["trainer.procs=2", "data.batch_size=8"], ["trainer.procs=4", "data.batch_size=4"]
+    common.append("+callbacks.model_state._target_=ddpexp.callbacks.ModelStateSize")
     ac = "trainer.activation_checkpointing=true"
     runs = sweep(workdir, {
         "ddp": ["trainer.strategy=ddp", *two],
@@ -130,6 +131,13 @@ def test_gpt_blocks_tied_weights_and_activation_checkpointing(workdir):
     for name in ("ddp_ac", "fsdp", "fsdp_ac"):
         assert_close_grads(grads(runs[name]), reference, 1e-6)
     assert_close_grads(grads(runs["fsdp_ac_4"]), grads(runs["ddp_4"]), 1e-6)
+    # Model state per rank (parameters, gradients, AdamW's two moments): 16 bytes a
+    # parameter under ddp, within 2% of 16/N under fsdp (shards of uneven rows included).
+    for name, world in (("ddp", 1), ("fsdp", 2), ("fsdp_ac_4", 4)):
+        scalars = read_scalars(runs[name] / "tb")
+        n_params = scalars["memory/parameters"][0][1]
+        state = scalars["memory/model_state_bytes"][0][1]
+        assert 16 * n_params / world <= state <= 1.02 * 16 * n_params / world, (name, state, n_params)
     log = (runs["fsdp_ac"] / "ddpexp.log").read_text()
     assert "fsdp: 2 block(s) and the root of GPT sharded over 2 rank(s)" in log
     assert "activation checkpointing: 2 block(s) of GPT" in log

@@ -49,3 +49,26 @@ def test_checkpoint_from_gpu_loads_on_cpu(workdir):
     ckpt = torch.load(only_run_dir(workdir) / "checkpoints" / "last.pt", map_location="cpu",
                       weights_only=True)
     assert all(t.device.type == "cpu" for t in ckpt["model"].values())
+
+
+TEXT = "".join(f"the {w} sat on the mat. " for w in ("cat", "dog", "bird", "fox") * 200)
+
+
+def test_fsdp_nccl_bf16_gpt_with_activation_checkpointing_and_resume(workdir):
+    """FSDP over NCCL on one GPU: bf16 parameters with fp32 reduction, the GPT's blocks
+    sharded and recomputed in backward; the sharded last.pt resumes and best.pt loads on the
+    CPU into the plain model."""
+    (workdir / "text.txt").write_text(TEXT)
+    args = ["task=lm", "model=gpt", "data=text", "data.path=text.txt", "data.block_size=32",
+            "trainer.gpus=1", "trainer.strategy=fsdp", "trainer.precision=bf16",
+            "trainer.activation_checkpointing=true", "optimizer=adamw", "trainer.max_steps=30"]
+    res = run_cli(args, workdir)
+    assert "fsdp: 2 block(s) and the root of GPT sharded over 1 rank(s)" in res.output
+    first = only_run_dir(workdir)
+    assert read_metrics(first)["status"] == "completed"
+    run_cli([*args, "trainer.max_steps=40", f"resume={first}"], workdir)
+    from ddpexp.models import GPT
+
+    best = torch.load(first / "checkpoints" / "best.pt", map_location="cpu", weights_only=True)
+    vocab = best["model"]["tok.weight"].shape[0]
+    GPT(vocab_size=vocab, block_size=32).load_state_dict(best["model"], strict=True)

@@ -184,6 +184,7 @@ class FSDP(DDP):
             raise ConfigError("trainer.precision=16 (fp16 with a gradient scaler) is not supported "
                               "with trainer.strategy=fsdp; use trainer.precision=bf16")
         self.blocks: list[nn.Module] = []
+        release_freed_memory()
 
     def checkpoint_activations(self, module: nn.Module) -> None:
         self.blocks = find_blocks(module, self.t.fsdp.wrap)
@@ -322,6 +323,28 @@ class FSDP(DDP):
 
     def snapshot(self, module: nn.Module) -> dict:
         return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+# glibc's mallopt parameter: allocations of at least this many bytes get their own mapping.
+_M_MMAP_THRESHOLD = -3
+
+
+def release_freed_memory(threshold: int = 1 << 20) -> bool:
+    """Have glibc's allocator give memory back to the system as soon as it is freed, for
+    allocations of ``threshold`` bytes and more (their own mappings). Sharding frees whole
+    parameters and gathers and frees each unit's parameters and gradients at every step; by
+    default glibc raises its threshold to the size of what was freed (up to 32 MiB) and then
+    serves those sizes from its heap, which keeps the freed pages: on the CPU that was 0.5 GB
+    more resident memory per rank for the 151M-parameter GPT. A no-op (False) without glibc."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        return bool(libc and libc.mallopt(_M_MMAP_THRESHOLD, int(threshold)))
+    except (OSError, AttributeError):
+        return False
 
 
 def sharded_shapes(path: Path) -> dict[str, dict[str, torch.Size]]:

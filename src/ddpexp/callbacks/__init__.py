@@ -7,6 +7,7 @@ from ddpexp.callbacks.checkpoint import ModelCheckpoint
 from ddpexp.callbacks.early_stopping import EarlyStopping
 from ddpexp.callbacks.ema import EMA
 from ddpexp.callbacks.lr_monitor import LearningRateMonitor
+from ddpexp.callbacks.memory import ModelStateSize
 from ddpexp.callbacks.profiler import Profiler
 from ddpexp.callbacks.progress import ProgressBar
 from ddpexp.callbacks.pruning import OptunaPruning
@@ -14,5 +15,5 @@ from ddpexp.callbacks.pruning import OptunaPruning
 __all__ = [
     "Callback", "Dispatch", "EVENTS", "EARLY", "USER", "LATE", "LAST",
     "ModelCheckpoint", "EarlyStopping", "EMA", "LearningRateMonitor", "Profiler",
-    "ProgressBar", "OptunaPruning",
+    "ProgressBar", "OptunaPruning", "ModelStateSize",
 ]
