@@ -102,11 +102,15 @@ def worker(rank: int, args: argparse.Namespace) -> None:
         model = cls(input_shape=args.shape, num_classes=args.num_classes).to(device)
         if args.strategy == "fsdp":
             # FSDP2 as its tutorial writes it: the whole model one unit, bf16 parameters and
-            # fp32 reduction where bf16 is asked for.
+            # fp32 reduction where bf16 is asked for, BatchNorm kept in fp32 (its kernels
+            # refuse bf16 weights beside fp32 running statistics).
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
                 if args.precision == "bf16" else MixedPrecisionPolicy()
+            for m in model.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    fully_shard(m)
             fully_shard(model, mp_policy=mp)
         elif ddp:
             model = DDP(model, device_ids=[rank] if cuda else None)

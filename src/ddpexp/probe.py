@@ -156,6 +156,11 @@ def memory_format(model: nn.Module, t: Any, device: torch.device) -> tuple[torch
     must confirm it: where the default chose channels_last for a model not known to take it,
     and where it was asked for (so that a model it breaks is told which key to change)."""
     channels_last = t.channels_last
+    if getattr(t.strategy, "value", t.strategy) == "fsdp":
+        if channels_last:
+            raise ConfigError("trainer.channels_last=true with trainer.strategy=fsdp: FSDP shards "
+                              "only contiguous parameters; leave trainer.channels_last unset")
+        channels_last = False  # FSDP2 refuses channels_last (non-contiguous) parameters
     if channels_last is None:
         channels_last = channels_last_pays(model, device, str(t.precision))
     on_trial = bool(channels_last) and (t.channels_last is True or not models.channels_last_safe(model))

@@ -206,6 +206,12 @@ class FSDP(DDP):
                                                    reduce_dtype=torch.float32)
         if f.cpu_offload:
             kw["offload_policy"] = CPUOffloadPolicy()
+        if "mp_policy" in kw:
+            # BatchNorm's kernels want its weights in the dtype of its fp32 running statistics:
+            # each BatchNorm is a unit of its own that keeps fp32 parameters (autocast still
+            # runs the convolutions around it in bf16).
+            for norm in [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]:
+                fully_shard(norm, **{**kw, "mp_policy": MixedPrecisionPolicy()})
         for block in self.blocks:
             fully_shard(block, **kw)
         fully_shard(module, **kw)
