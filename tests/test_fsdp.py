@@ -158,11 +158,12 @@ def whole_weights(run_dir: Path) -> dict:
 
 
 def test_sharded_checkpoints_resume_at_any_world_size(workdir):
-    """A 2-worker fsdp run stopped mid-epoch (step 12 of 20) resumes bit-exactly on 2
-    workers, and on 1 and 4 workers with the same global batch (32) continues at the same
-    sample, within 1e-4 of the uninterrupted run; ddpexp.eval reads the sharded last.pt and
-    best.pt alike."""
-    common = [*TINY, "trainer.strategy=fsdp", "optimizer=adamw", "trainer.procs=2",
+    """A 2-worker fsdp run (with the average of the weights and the 2 best epochs kept)
+    stopped mid-epoch (step 12 of 20) resumes bit-exactly on 2 workers, and on 1 and 4
+    workers with the same global batch (32) continues at the same sample, within 1e-4 of the
+    uninterrupted run; ddpexp.eval reads the sharded last.pt and best.pt alike."""
+    features = ["trainer.ema_decay=0.9", "trainer.save_top_k=2"]
+    common = [*TINY, *features, "trainer.strategy=fsdp", "optimizer=adamw", "trainer.procs=2",
               "data.batch_size=16"]
     runs = sweep(workdir, {"whole": ["trainer.max_steps=20"], "first": ["trainer.max_steps=12"]},
                  common)
@@ -178,14 +179,18 @@ def test_sharded_checkpoints_resume_at_any_world_size(workdir):
         "same": ["trainer.procs=2", "data.batch_size=16"],
         "one": ["trainer.procs=1", "data.batch_size=32"],
         "four": ["trainer.procs=4", "data.batch_size=8"],
-    }, [*TINY, "trainer.strategy=fsdp", "optimizer=adamw", "trainer.max_steps=20",
+    }, [*TINY, *features, "trainer.strategy=fsdp", "optimizer=adamw", "trainer.max_steps=20",
         f"resume={first}"])
     whole = workdir / "sweep-first" / whole.name
     expected = read_metrics(whole)
     same = read_metrics(runs["same"])
     assert same["final"] == expected["final"] and same["steps"] == 20
-    for name, tensor in whole_weights(whole).items():
+    for name, tensor in whole_weights(whole).items():  # the averaged weights
         assert torch.equal(whole_weights(runs["same"])[name], tensor), name
+    top = sorted((runs["same"] / "checkpoints").glob("epoch*.pt"))
+    assert len(top) == 2  # whole-weights files of the 2 best epochs
+    for path in top:
+        assert torch.load(path, weights_only=True)["model"].keys() == whole_weights(whole).keys()
     for name in ("one", "four"):
         got = read_metrics(runs[name])
         assert got["steps"] == 20 and got["world_size"] == {"one": 1, "four": 4}[name]

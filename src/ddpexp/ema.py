@@ -55,17 +55,23 @@ class EMA:
         self._live_params, self._live_buffers = params, buffers
         self._avg_params = [p.clone() for p in params]
         self._avg_buffers = [b.clone() for b in buffers]
+        # Under FSDP the parameters are DTensors, which torch's fused list ops do not take:
+        # the average of each shard is the shard of the average, so they run on the shards.
+        self._sharded = any(hasattr(p, "to_local") for p in params)
 
     @torch.no_grad()
     def update(self) -> None:
         """Fold the module's current weights into the average (call after optimizer.step)."""
         if self._avg_params:
+            avg, live = self._avg_params, self._live_params
+            if self._sharded:
+                avg, live = _shards(avg), _shards(live)
             if self.decay == 0.0:
                 # lerp with weight 1 is not bit-exactly a copy in floating point; decay 0
                 # promises exactly the live weights.
-                torch._foreach_copy_(self._avg_params, self._live_params)
+                torch._foreach_copy_(avg, live)
             else:
-                torch._foreach_lerp_(self._avg_params, self._live_params, 1.0 - self.decay)
+                torch._foreach_lerp_(avg, live, 1.0 - self.decay)
         if self._avg_buffers:
             torch._foreach_copy_(self._avg_buffers, self._live_buffers)
         self.updates += 1
@@ -83,12 +89,12 @@ class EMA:
         live = self._live_params + self._live_buffers
         with torch.no_grad():
             saved = [t.clone() for t in live]
-            torch._foreach_copy_(live, self._avg_params + self._avg_buffers)
+            torch._foreach_copy_(_shards(live), _shards(self._avg_params + self._avg_buffers))
         try:
             yield
         finally:
             with torch.no_grad():
-                torch._foreach_copy_(live, saved)
+                torch._foreach_copy_(_shards(live), _shards(saved))
 
     def state_dict(self) -> dict:
         """What an exact resume needs: the averaged tensors (by module key), decay and the
@@ -105,3 +111,8 @@ class EMA:
         for name, target in self.averaged().items():
             target.copy_(averaged[name])
         self.updates = int(state["updates"])
+
+
+def _shards(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each DTensor's local shard (the tensor itself for any other), for the fused list ops."""
+    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]

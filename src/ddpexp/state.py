@@ -22,7 +22,14 @@ Schema of a checkpoint (format 3; ``torch.load(weights_only=True)`` reads every 
     ranks        one entry per rank: {"rng": generator states (torch, cuda, numpy, python),
                  "train_accum": {"names", "sums", "seen"} not yet logged}
     world_size   the world size that wrote it (``ranks`` has one entry per rank)
+    global_batch samples per micro-batch over all ranks (data.batch_size x world_size), so
+                 that ``batch`` converts to another world size or batch size
     config       the resolved config of the run, plain Python
+
+Under ``strategy=fsdp`` ``last.pt`` is a sharded directory (:mod:`ddpexp.checkpoint`) whose
+``model``, ``raw_model`` and ``optimizer`` (keyed by parameter name) are each rank's shards,
+the rest in its ``meta.pt``; its best.pt and top-k files are single files with the whole
+``model`` and every entry above but ``optimizer`` and ``raw_model``.
 
 Format 2 (before callbacks) kept the top-k ranking under ``top_k`` and the early-stopping
 counter under ``early_stop``; it still resumes.

@@ -123,11 +123,6 @@ class Local:
         else:
             optimizer.load_state_dict(saved)
 
-    def full_weights(self, weights: Mapping[str, torch.Tensor]) -> Optional[dict]:
-        """``weights`` (a ``"model"`` entry) as whole tensors on the CPU, on global rank 0
-        (None elsewhere). Every rank calls it."""
-        return dict(weights) if self.ctx.is_main else None
-
     def load_full_weights(self, module: nn.Module, weights: Optional[Mapping[str, torch.Tensor]]) -> None:
         """Load whole ``weights`` that global rank 0 read (None elsewhere) into every rank's
         model. Every rank calls it."""
@@ -274,9 +269,9 @@ class FSDP(DDP):
         tensors = {k: state.pop(k) for k in ckpt_io.SHARDED_KEYS if k in state}
         ckpt_io.save_sharded(tensors, state if self.ctx.is_main else None, last, self.ctx.is_main)
         if copies:
-            whole = self.full_weights(tensors["model"])
+            whole = self._gather(tensors["model"])
             if whole is not None:
-                single = {**state, "model": whole, "weights_only": True}
+                single = {**state, "model": whole}
                 ckpt_io.save_atomic(single, copies[0])
                 for path in copies[1:]:
                     ckpt_io.copy_atomic(copies[0], path)
@@ -309,7 +304,9 @@ class FSDP(DDP):
         set_optimizer_state_dict(module, optimizer, saved,
                                  options=StateDictOptions(full_state_dict=whole))
 
-    def full_weights(self, weights: Mapping[str, torch.Tensor]) -> Optional[dict]:
+    def _gather(self, weights: Mapping[str, torch.Tensor]) -> Optional[dict]:
+        """``weights`` (a ``"model"`` entry of shards) as whole tensors on the CPU, on
+        global rank 0 (None elsewhere): one tensor at a time. Every rank calls it."""
         from torch.distributed.tensor import DTensor
 
         out: dict[str, torch.Tensor] = {}
