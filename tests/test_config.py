@@ -94,7 +94,7 @@ def test_model_reads_shapes_by_interpolation():
     ("trainer.gpu=4", "unknown trainer key trainer.gpu: did you mean trainer.gpus?"),
     ("trainer.max_epoch=3 trainer.procs=2", "trainer.max_epoch: did you mean trainer.max_epochs?"),
     ("+trainer.foo=1", "trainer.foo: it is not a trainer key"),
-    ("trainer.strategy=dpp", "Invalid value 'dpp', expected one of [auto, ddp, dp, single]"),
+    ("trainer.strategy=dpp", "Invalid value 'dpp', expected one of [auto, ddp, fsdp, dp, single]"),
     ("trainer.max_epochs=abc", "could not be converted to Integer"),
     ("trainer.precision=8", "trainer.precision='8' is not one of 32, bf16, 16"),
     ("trainer.precision=16", "needs a GPU; on the CPU use trainer.precision=bf16"),
