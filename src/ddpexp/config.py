@@ -484,11 +484,10 @@ def holds_run(path: Path) -> bool:
 
 def _shares_run_dir(values: dict[str, Any]) -> bool:
     """Processes that share one run dir by design: a submitit job requeued into its own dir,
-    the tasks of a SLURM step, the nodes of a multi-node run on a shared filesystem."""
+    the nodes of a multi-node run on a shared filesystem. (Of a SLURM step's tasks only rank
+    0 runs this check; the others take the run dir it chose.)"""
     env = os.environ
     if any(k.startswith("SUBMITIT_") for k in env):
-        return True
-    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         return True
     nodes = values.get("trainer.nodes", 1)
     return isinstance(nodes, int) and nodes > 1
