@@ -44,7 +44,7 @@ _NOT_A_STEP = 0xFFFFFFF0
 # connections and the OS's "any free port" come.
 PORT_BASE, PORT_SPAN = 20000, 12000
 # How long tasks other than rank 0 wait for rank 0 to start the store and the run.
-CONNECT_TIMEOUT_S = 120.0
+CONNECT_TIMEOUT_S = 60.0
 PAYLOAD_TIMEOUT_S = 900.0
 POLL_S = 0.25
 # After the abort flag, how long a rank's own code has to fail by itself (it was waiting in
@@ -153,7 +153,10 @@ class Step:
                 f"rank {me} of this SLURM step could not {'open' if me == 0 else 'reach'} the "
                 f"step's store at {addr}:{port} ({str(exc).splitlines()[0]}). Another process may "
                 "hold that port: set MASTER_PORT to a free one for the srun") from None
-        return cls(store, me, world)
+        step = cls(store, me, world)
+        if me != 0:
+            step.report("joined")
+        return step
 
     # -------------------------------------------------------------- the run's config
     def publish(self, payload: Any) -> None:
@@ -181,12 +184,21 @@ class Step:
         """Other ranks: rank 0's payload, or ``None`` when it aborted the start."""
         deadline = time.time() + PAYLOAD_TIMEOUT_S
         while time.time() < deadline:
-            if self.store.check(["payload"]):
-                return pickle.loads(self.store.get("payload"))
+            try:
+                if self.store.check(["payload"]):
+                    return pickle.loads(self.store.get("payload"))
+            except Exception:  # noqa: BLE001 - rank 0 ended, and with it the store
+                return None
             if self.aborted() is not None:
                 return None
             time.sleep(POLL_S)
         return None
+
+    def wait_joined(self, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+        """Rank 0: wait until every other task has connected to the store."""
+        deadline = time.time() + timeout_s
+        while time.time() < deadline and len(self.reports("joined")) < self.world - 1:
+            time.sleep(POLL_S)
 
     # -------------------------------------------------------------- failures
     def report(self, section: str, **fields: Any) -> None:
@@ -338,6 +350,9 @@ def lead(step: Step, main: Callable[[], Any]) -> None:
             published = True
         if not published:
             step.abort("start")
+            # The store ends with this process: the other tasks must have read the abort
+            # first, or they would wait for a store that is gone.
+            step.wait_joined()
 
 
 def follow(step: Step) -> int:

@@ -27,3 +27,15 @@ class DdpLauncherConf:
 
 ConfigStore.instance().store(group="hydra/launcher", name="ddp", node=DdpLauncherConf,
                              provider="ddpexp")
+
+
+# hydra/launcher=submitit_slurm resolves to ddpexp's conf/hydra/launcher/submitit_slurm.yaml,
+# which starts from the submitit plugin's own schema, stored here under another name, and
+# changes the defaults that decide what SLURM's pre-timeout signal does.
+try:
+    from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
+except ImportError:  # the submitit launcher is not installed: nothing to build on
+    SlurmQueueConf = None
+if SlurmQueueConf is not None:
+    ConfigStore.instance().store(group="hydra/launcher", name="submitit_slurm_base",
+                                 node=SlurmQueueConf, provider="ddpexp")
