@@ -179,6 +179,11 @@ def start(timeout: float = 60) -> Cluster:
     install()
     if os.geteuid() != 0:
         raise Unavailable("slurmd must run as root to start jobs as their user")
+    try:
+        socket.gethostbyname(NODE)
+    except OSError:
+        raise Unavailable(f"this machine's name {NODE!r} does not resolve (the tasks of a step "
+                          "reach rank 0 by the node's name)") from None
     root = Path(tempfile.mkdtemp(prefix="ddpexp-slurm-"))
     root.chmod(0o755)
     cluster = Cluster(root)
