@@ -151,7 +151,7 @@ def test_stalled_rank_under_srun_ends_the_step_without_kill_on_bad_exit(slurm, t
     """Rank 1 hangs in its forward; rank 0's collective times out after dist_timeout_s and
     the step ends (no srun -K1) with rank 1 named and its stack in the log."""
     run_dir = tmp_path / "outputs" / "stall"
-    timeout_s = 10
+    timeout_s = 5
     started = time.time()
     res = srun(slurm, [*TINY, *FAULTY, "+model.mode=stall", f"trainer.dist_timeout_s={timeout_s}",
                        f"hydra.run.dir={run_dir}"], tmp_path, ok=False, timeout=timeout_s + 60)
@@ -159,7 +159,7 @@ def test_stalled_rank_under_srun_ends_the_step_without_kill_on_bad_exit(slurm, t
     assert took < timeout_s + 40, took
     assert res.returncode != 0 and "Traceback" not in res.output, res.output
     assert re.search(r"a worker stalled, so the whole SLURM step was stopped:\n  rank 1 \(pid \d+\) "
-                     r"stalled: no progress while the others waited trainer.dist_timeout_s=10 s",
+                     r"stalled: no progress while the others waited trainer.dist_timeout_s=5 s",
                      res.stderr), res.stderr
     assert f"its Python stack is in {run_dir}/ddpexp.log" in res.stderr
     stack = (run_dir / "ddpexp.log").read_text().split("[rank1] stalled while", 1)[1]
@@ -218,13 +218,20 @@ SUBMITIT = ["-m", "hydra/launcher=submitit_slurm", "hydra.launcher.timeout_min=5
 
 
 def test_submitit_sweep_has_its_summary_and_its_dir_is_guarded(slurm, tmp_path):
-    """A sweep of 2 jobs through submitit_slurm: a run dir per job and summary.csv/md (by seed
-    too) as under ddpexp's own launcher; the same sweep dir again is refused."""
+    """A sweep of 2 jobs of 2 tasks each through submitit_slurm: a run dir per job and
+    summary.csv/md (by seed too) as under ddpexp's own launcher; the same sweep dir again is
+    refused."""
     sweep = tmp_path / "sweep"
-    res = cli(slurm, [*SUBMITIT, f"hydra.sweep.dir={sweep}", *TINY, "seed=0,1"], tmp_path)
+    res = cli(slurm, [*SUBMITIT, "hydra.launcher.tasks_per_node=2", f"hydra.sweep.dir={sweep}",
+                      *TINY, "seed=0,1"], tmp_path)
     for job in ("0", "1"):
-        assert read_metrics(sweep / job)["status"] == "completed"
+        m = read_metrics(sweep / job)
+        assert m["status"] == "completed" and m["world_size"] == 2  # a rank per task
         assert read_scalars(sweep / job / "tb")["val/acc"]
+        # Every task ran Hydra's job; its files and the log's lines are there once.
+        assert sorted(p.name for p in (sweep / job / ".hydra").iterdir()) == [
+            "config.yaml", "hydra.yaml", "overrides.yaml"]
+        assert (sweep / job / "ddpexp.log").read_text().count("run dir: ") == 1
     summary = (sweep / "summary.csv").read_text().splitlines()
     assert len(summary) == 3 and all(",completed," in line for line in summary[1:]), summary
     assert (sweep / "summary.md").exists()

@@ -97,3 +97,28 @@ def test_the_failure_message_names_the_cause_not_its_echoes():
     # Everyone else only lost rank 1, which said nothing: it was killed.
     text = slurm.describe({0: lost}, {}, 2, "error", 300, "run/ddpexp.log")
     assert "rank 1 died without a Python error (killed by a signal" in text
+
+
+def test_submitit_slurm_requeues_on_the_pre_timeout_signal_by_default():
+    """ddpexp's submitit_slurm: max_num_timeout >= 1 (Hydra's 0 ends the sweep at the first
+    pre-timeout signal of a short job), a signal delay that suits short jobs, overridable."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.singleton import Singleton
+    from hydra.version import VersionBase
+
+    from ddpexp.config import register_configs
+
+    register_configs()
+    try:
+        with initialize_config_module(version_base="1.3", config_module="ddpexp.conf"):
+            cfg = compose("config", overrides=["hydra/launcher=submitit_slurm"],
+                          return_hydra_config=True)
+            changed = compose("config", overrides=["hydra/launcher=submitit_slurm",
+                                                   "hydra.launcher.max_num_timeout=0"],
+                              return_hydra_config=True)
+    finally:  # as ddpexp.config.compose_single_process: later launchers expect the default
+        Singleton._instances.pop(VersionBase, None)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("submitit_launcher.SlurmLauncher")
+    assert launcher.max_num_timeout == 3 and launcher.signal_delay_s == 60
+    assert changed.hydra.launcher.max_num_timeout == 0

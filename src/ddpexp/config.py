@@ -234,9 +234,13 @@ def resume_dir(resume: Any, fresh: str) -> str:
     return unique_dir(fresh)
 
 
-def hydra_subdir(output_dir: str) -> str:
+def hydra_subdir(output_dir: str) -> Optional[str]:
     """Where Hydra saves this job's config: ``.hydra``, or ``.hydra/resume-N`` when the dir
-    already holds a run, so resuming never overwrites the config the run started with."""
+    already holds a run, so resuming never overwrites the config the run started with.
+    ``None`` (nothing saved) in the tasks other than global rank 0 of a SLURM step that all
+    run Hydra (a submitit job of several tasks): rank 0 saves it once."""
+    if _later_slurm_task():
+        return None
     first = Path(output_dir) / ".hydra"
     if not (first / "config.yaml").exists():
         return ".hydra"
@@ -244,6 +248,15 @@ def hydra_subdir(output_dir: str) -> str:
     while (first / f"resume-{n}").exists():
         n += 1
     return f".hydra/resume-{n}"
+
+
+def _later_slurm_task() -> bool:
+    env = os.environ
+    try:
+        return (int(env.get("SLURM_PROCID", "0")) > 0 and int(env.get("SLURM_NTASKS", "1")) > 1
+                and "TORCHELASTIC_RUN_ID" not in env)
+    except ValueError:
+        return False
 
 
 def trainer_config(node: Any) -> TrainerConfig:
