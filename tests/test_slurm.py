@@ -147,25 +147,29 @@ def test_rank_raising_under_srun_is_one_message_and_a_failed_record(slurm, tmp_p
     assert "[rank1] worker failed" in log and "Traceback" in log
 
 
-def test_stalled_rank_under_srun_ends_the_step_without_kill_on_bad_exit(slurm, tmp_path):
-    """Rank 1 hangs in its forward; rank 0's collective times out after dist_timeout_s and
-    the step ends (no srun -K1) with rank 1 named and its stack in the log."""
+@pytest.mark.parametrize("rank", [1, 0])
+def test_stalled_rank_under_srun_ends_the_step_without_kill_on_bad_exit(slurm, tmp_path, rank):
+    """A rank hangs in its forward; the other's collective times out after dist_timeout_s and
+    the step ends (no srun -K1) with the stalled rank named and its stack in the log. Rank 0
+    stalled: it still writes the record and the message."""
     run_dir = tmp_path / "outputs" / "stall"
     timeout_s = 5
     started = time.time()
-    res = srun(slurm, [*TINY, *FAULTY, "+model.mode=stall", f"trainer.dist_timeout_s={timeout_s}",
-                       f"hydra.run.dir={run_dir}"], tmp_path, ok=False, timeout=timeout_s + 60)
+    res = srun(slurm, [*TINY, *FAULTY, "+model.mode=stall", f"+model.rank={rank}",
+                       f"trainer.dist_timeout_s={timeout_s}", f"hydra.run.dir={run_dir}"], tmp_path,
+               ok=False, timeout=timeout_s + 60)
     took = time.time() - started
     assert took < timeout_s + 40, took
     assert res.returncode != 0 and "Traceback" not in res.output, res.output
-    assert re.search(r"a worker stalled, so the whole SLURM step was stopped:\n  rank 1 \(pid \d+\) "
-                     r"stalled: no progress while the others waited trainer.dist_timeout_s=5 s",
+    assert re.search(rf"a worker stalled, so the whole SLURM step was stopped:\n  rank {rank} \(pid "
+                     rf"\d+\) stalled: no progress while the others waited trainer.dist_timeout_s=5 s",
                      res.stderr), res.stderr
+    assert res.output.count("a worker stalled") == 1
     assert f"its Python stack is in {run_dir}/ddpexp.log" in res.stderr
-    stack = (run_dir / "ddpexp.log").read_text().split("[rank1] stalled while", 1)[1]
+    stack = (run_dir / "ddpexp.log").read_text().split(f"[rank{rank}] stalled while", 1)[1]
     assert "most recent call first" in stack and "faulty.py" in stack and "in forward" in stack
     m = read_metrics(run_dir)
-    assert m["status"] == "failed" and "rank 1" in m["error"]
+    assert m["status"] == "failed" and f"rank {rank} (pid" in m["error"]
 
 
 def test_two_srun_steps_side_by_side_in_one_allocation(slurm, tmp_path):

@@ -405,7 +405,8 @@ def _record_stuck(step: Step, payload: Any, timeout_s: float) -> Callable[[str],
         message = step.failure_message(kind, timeout_s, payload.log_file)
         started = time.time() - float(read_metrics_or_empty(Path(payload.run_dir)).get("wall_time_s") or 0)
         record_failure(Path(payload.run_dir), RunFailed(message), started)
-        log.error("%s", message)
+        with open(payload.log_file, "a") as f:  # the log, and the terminal once
+            f.write(message + "\n")
         print(message, file=sys.stderr, flush=True)
 
     return record
