@@ -46,6 +46,12 @@ def test_each_step_of_a_job_gets_its_own_port_on_the_first_node(step_env):
     assert slurm.master_env() == {}
 
 
+def test_a_sweep_inside_an_srun_step_is_refused():
+    assert "cannot run inside an srun step" in slurm.sweep_problem(["-m", "optimizer.lr=0.1,0.2"])
+    assert "hydra/launcher=submitit_slurm" in slurm.sweep_problem(["--multirun", "seed=0,1"])
+    assert slurm.sweep_problem(["optimizer.lr=0.1"]) is None
+
+
 def test_a_batch_script_or_one_task_is_no_step_of_ranks(step_env):
     assert slurm.step_ranks()
     step_env(SLURM_STEP_ID="4294967294")  # the batch script itself

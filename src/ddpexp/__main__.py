@@ -30,6 +30,9 @@ def cli() -> None:
     if slurm.step_ranks():
         # srun started every rank: rank 0 alone reads the command line and runs Hydra; the
         # other tasks run on the config it hands them (ddpexp.slurm).
+        problem = slurm.sweep_problem(sys.argv[1:])
+        if problem:
+            sys.exit(problem if slurm.rank() == 0 else 1)  # said once, by rank 0
         try:
             step = slurm.current()
         except DdpexpError as exc:

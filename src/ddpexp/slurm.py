@@ -126,6 +126,15 @@ def rank_env() -> dict[str, str]:
             "LOCAL_RANK": env.get("SLURM_LOCALID", "0"), "LOCAL_WORLD_SIZE": str(tasks_per_node())}
 
 
+def sweep_problem(args: list[str]) -> Optional[str]:
+    """A message when the command line of an srun task asks for a sweep: every job would be
+    a run of its own on the same tasks, which one step cannot give."""
+    if any(a in ("-m", "--multirun") for a in args):
+        return ("a sweep (-m) cannot run inside an srun step, whose tasks are the ranks of one "
+                "run: run the sweep with hydra/launcher=submitit_slurm, or one srun per run")
+    return None
+
+
 class Step:
     """This task's handle on the step's store (rank 0 hosts it)."""
 
