@@ -35,6 +35,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from ddpexp.errors import ConfigError, DdpexpError, RunFailed, RunInterrupted
+from ddpexp.record import record_failure
+
 log = logging.getLogger("ddpexp")
 
 # SLURM_STEP_ID of a batch script's own step (and its extern step): the script is one
@@ -156,8 +159,6 @@ class Step:
                                   timeout=timedelta(seconds=CONNECT_TIMEOUT_S),
                                   wait_for_workers=False)
         except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/DistNetworkError
-            from ddpexp.errors import ConfigError
-
             raise ConfigError(
                 f"rank {me} of this SLURM step could not {'open' if me == 0 else 'reach'} the "
                 f"step's store at {addr}:{port} ({str(exc).splitlines()[0]}). Another process may "
@@ -270,8 +271,6 @@ def cause_of(exc: BaseException) -> tuple[str, bool]:
     text = str(exc).strip().splitlines()
     last = text[-1] if text else ""
     timed_out = "timed out" in str(exc).lower()
-    from ddpexp.errors import DdpexpError
-
     if isinstance(exc, DdpexpError):
         return str(exc), timed_out
     if timed_out:
@@ -382,11 +381,10 @@ def follow(step: Step) -> int:
 def run_rank(step: Step, payload: Any) -> Optional[dict]:
     """Run the worker as this task's rank; a failure is reported to the step, and on global
     rank 0 it becomes one :class:`RunFailed` naming the ranks at fault."""
-    from ddpexp.errors import RunFailed, RunInterrupted
-    from ddpexp.worker import run_worker
+    from ddpexp.worker import run_worker  # torch and the trainer: only where a rank runs
 
     timeout_s = float(payload.config["trainer"]["dist_timeout_s"])
-    on_stuck = _record_stuck(step, payload, timeout_s) if step.rank == 0 else None
+    on_stuck = _record_stuck(step, payload, timeout_s, time.time()) if step.rank == 0 else None
     with Listener(step, payload.log_file, on_stuck):
         try:
             return run_worker.__wrapped__(payload, store=step.store)
@@ -404,15 +402,12 @@ def run_rank(step: Step, payload: Any) -> Optional[dict]:
             raise RunFailed(step.failure_message(kind, timeout_s, payload.log_file)) from None
 
 
-def _record_stuck(step: Step, payload: Any, timeout_s: float) -> Callable[[str], None]:
+def _record_stuck(step: Step, payload: Any, timeout_s: float,
+                  started: float) -> Callable[[str], None]:
     """What global rank 0 does when it is the stuck rank: the record and the message that its
-    own failure path would have written."""
+    own failure path would have written (the wall time counted from ``started``)."""
     def record(kind: str) -> None:
-        from ddpexp.errors import RunFailed
-        from ddpexp.record import read_metrics_or_empty, record_failure
-
         message = step.failure_message(kind, timeout_s, payload.log_file)
-        started = time.time() - float(read_metrics_or_empty(Path(payload.run_dir)).get("wall_time_s") or 0)
         record_failure(Path(payload.run_dir), RunFailed(message), started)
         with open(payload.log_file, "a") as f:  # the log, and the terminal once
             f.write(message + "\n")
