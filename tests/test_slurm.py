@@ -126,21 +126,24 @@ def test_srun_two_tasks_one_run_guarded_dir(slurm, tmp_path):
     assert (run_dir / "metrics.json").read_bytes() == before
 
 
-def test_rank_raising_under_srun_is_one_message_and_a_failed_record(slurm, tmp_path):
+@pytest.mark.parametrize("rank", [1, 0])
+def test_rank_raising_under_srun_is_one_message_and_a_failed_record(slurm, tmp_path, rank):
+    """Rank 1 raises: rank 0 names it from the step's store. Rank 0 raises: it names itself,
+    and the other task, whose store went away with it, stays silent."""
     run_dir = tmp_path / "outputs" / "raise"
     started = time.time()
-    res = srun(slurm, [*TINY, *FAULTY, "+model.mode=raise", f"hydra.run.dir={run_dir}"], tmp_path,
-               ok=False)
+    res = srun(slurm, [*TINY, *FAULTY, "+model.mode=raise", f"+model.rank={rank}",
+                       f"hydra.run.dir={run_dir}"], tmp_path, ok=False)
     assert time.time() - started < 60
     assert res.returncode != 0
-    assert "Traceback" not in res.output, res.output
-    assert re.search(r"a worker failed, so the whole SLURM step was stopped:\n  rank 1 \(pid \d+\) "
-                     r"raised RuntimeError: injected failure on rank 1\n", res.stderr), res.stderr
+    assert "Traceback" not in res.output and "frame #" not in res.output, res.output
+    assert re.search(rf"a worker failed, so the whole SLURM step was stopped:\n  rank {rank} \(pid "
+                     rf"\d+\) raised RuntimeError: injected failure on rank {rank}\n", res.stderr), res.stderr
     assert res.stderr.count("injected failure") == 1
     m = read_metrics(run_dir)
-    assert m["status"] == "failed" and "rank 1" in m["error"] and "injected failure" in m["error"]
+    assert m["status"] == "failed" and f"rank {rank}" in m["error"] and "injected failure" in m["error"]
     log = (run_dir / "ddpexp.log").read_text()
-    assert "[rank1] worker failed" in log and "Traceback" in log
+    assert f"[rank{rank}] worker failed" in log and "Traceback" in log
 
 
 @pytest.mark.parametrize("rank", [1, 0])

@@ -33,6 +33,7 @@ def cli() -> None:
         problem = slurm.sweep_problem(sys.argv[1:])
         if problem:
             sys.exit(problem if slurm.rank() == 0 else 1)  # said once, by rank 0
+        slurm.quiet_torch_warnings()
         try:
             step = slurm.current()
         except DdpexpError as exc:

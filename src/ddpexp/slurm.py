@@ -138,6 +138,14 @@ def sweep_problem(args: list[str]) -> Optional[str]:
     return None
 
 
+def quiet_torch_warnings() -> None:
+    """Keep torch's C++ warnings (a rank's store connection dropping as rank 0 exits after a
+    failure, with their C++ stack frames) off the terminal of every task: the step's failure
+    is rank 0's one message. Errors still show; ``TORCH_CPP_LOG_LEVEL`` set by the user wins.
+    Must run before torch is imported."""
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
 class Step:
     """This task's handle on the step's store (rank 0 hosts it)."""
 
