@@ -146,6 +146,19 @@ def test_rank_raising_under_srun_is_one_message_and_a_failed_record(slurm, tmp_p
     assert f"[rank{rank}] worker failed" in log and "Traceback" in log
 
 
+def test_rank_0_killed_under_srun_is_named_and_recorded_by_rank_1(slurm, tmp_path):
+    """SIGKILL takes rank 0 and the step's store with it: rank 1, the next one, says so once
+    and marks the run failed."""
+    run_dir = tmp_path / "outputs" / "killed"
+    res = srun(slurm, [*TINY, *FAULTY, "+model.mode=kill", "+model.rank=0",
+                       f"hydra.run.dir={run_dir}"], tmp_path, ok=False)
+    assert res.returncode != 0 and "Traceback" not in res.output and "frame #" not in res.output
+    assert res.stderr.count("a worker failed, so the whole SLURM step was stopped:\n  rank 0 died "
+                            "without a Python error (killed by a signal") == 1, res.stderr
+    m = read_metrics(run_dir)
+    assert m["status"] == "failed" and "rank 0 died" in m["error"]
+
+
 @pytest.mark.parametrize("rank", [1, 0])
 def test_stalled_rank_under_srun_ends_the_step_without_kill_on_bad_exit(slurm, tmp_path, rank):
     """A rank hangs in its forward; the other's collective times out after dist_timeout_s and

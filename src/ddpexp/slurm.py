@@ -17,7 +17,8 @@ keeps a step alive until its last task has exited:
   ``stalled/<rank>`` and ends its process, so the step ends without ``srun -K1``;
 - global rank 0 turns what the store holds into one message naming the ranks and their
   causes, which the run reports and records in ``metrics.json`` as ``failed``. A rank that
-  died without a word (SIGKILL) is named as such.
+  died without a word (SIGKILL) is named as such; when that rank is rank 0 (the store gone
+  with it), rank 1 writes the record and the message.
 """
 
 from __future__ import annotations
@@ -189,6 +190,14 @@ class Step:
                 self.store.set("abort", json.dumps({"by": self.rank, "kind": kind, "message": message}))
         except Exception:  # noqa: BLE001 - the store went away with rank 0
             pass
+
+    def reachable(self) -> bool:
+        """Whether the store (rank 0's process) still answers."""
+        try:
+            self.store.check(["abort"])
+            return True
+        except Exception:  # noqa: BLE001
+            return False
 
     def aborted(self) -> Optional[dict]:
         try:
@@ -392,7 +401,8 @@ def run_rank(step: Step, payload: Any) -> Optional[dict]:
     from ddpexp.worker import run_worker  # torch and the trainer: only where a rank runs
 
     timeout_s = float(payload.config["trainer"]["dist_timeout_s"])
-    on_stuck = _record_stuck(step, payload, timeout_s, time.time()) if step.rank == 0 else None
+    started = time.time()
+    on_stuck = _record_stuck(step, payload, timeout_s, started) if step.rank == 0 else None
     with Listener(step, payload.log_file, on_stuck):
         try:
             return run_worker.__wrapped__(payload, store=step.store)
@@ -405,6 +415,12 @@ def run_rank(step: Step, payload: Any) -> Optional[dict]:
             kind = "timeout" if timed_out or (abort or {}).get("kind") == "timeout" else "error"
             step.report("failed", cause=cause, timeout=timed_out)
             step.abort(kind)
+            if step.rank == 1 and not step.reachable():
+                # Rank 0 is gone, and with it the store and the run's writer: the next rank
+                # says what it saw, once.
+                seen = {r: {"pid": os.getpid(), "cause": cause} for r in range(1, step.world)}
+                _tell(payload, describe(seen, {}, step.world, kind, timeout_s, payload.log_file),
+                      started)
             if step.rank != 0:
                 raise
             raise RunFailed(step.failure_message(kind, timeout_s, payload.log_file)) from None
@@ -415,10 +431,18 @@ def _record_stuck(step: Step, payload: Any, timeout_s: float,
     """What global rank 0 does when it is the stuck rank: the record and the message that its
     own failure path would have written (the wall time counted from ``started``)."""
     def record(kind: str) -> None:
-        message = step.failure_message(kind, timeout_s, payload.log_file)
-        record_failure(Path(payload.run_dir), RunFailed(message), started)
-        with open(payload.log_file, "a") as f:  # the log, and the terminal once
-            f.write(message + "\n")
-        print(message, file=sys.stderr, flush=True)
+        _tell(payload, step.failure_message(kind, timeout_s, payload.log_file), started)
 
     return record
+
+
+def _tell(payload: Any, message: str, started: float) -> None:
+    """The step's failure from a rank other than the usual writer's path: ``metrics.json``
+    marked ``failed``, the message in the run's log and, once, on the terminal."""
+    record_failure(Path(payload.run_dir), RunFailed(message), started)
+    try:
+        with open(payload.log_file, "a") as f:
+            f.write(message + "\n")
+    except OSError:
+        pass
+    print(message, file=sys.stderr, flush=True)
