@@ -81,6 +81,7 @@ def rank() -> int:
 
 
 def world_size() -> int:
+    """The step's tasks in all: its ranks."""
     return int(os.environ["SLURM_NTASKS"])
 
 
@@ -94,6 +95,7 @@ def tasks_per_node() -> int:
 
 
 def nodes() -> int:
+    """The step's nodes."""
     env = os.environ
     return int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1")))
 
@@ -200,6 +202,8 @@ class Step:
             return False
 
     def aborted(self) -> Optional[dict]:
+        """The abort record (``by``, ``kind``, ``message``) if some rank raised it; a store that
+        no longer answers counts as rank 0's abort."""
         try:
             if self.store.check(["abort"]):
                 return json.loads(self.store.get("abort"))
@@ -236,6 +240,7 @@ class Step:
             pass
 
     def reports(self, section: str) -> dict[int, dict]:
+        """``{rank: record}`` of the ranks that reported under ``section`` so far."""
         out = {}
         for r in range(self.world):
             try:
@@ -254,11 +259,11 @@ class Step:
                 break
             time.sleep(POLL_S)
         failed, stalled = self.reports("failed"), self.reports("stalled")
-        return describe(failed, stalled, self.world, kind, timeout_s, log_file)
+        return describe(failed, stalled, self.world, timeout_s, log_file)
 
 
-def describe(failed: dict[int, dict], stalled: dict[int, dict], world: int, kind: str,
-             timeout_s: float, log_file: str) -> str:
+def describe(failed: dict[int, dict], stalled: dict[int, dict], world: int, timeout_s: float,
+             log_file: str) -> str:
     """The step's failure in one message: stalled ranks first, then ranks with a cause of
     their own, then ranks that vanished; ranks that only lost a peer are not repeated."""
     lines = [f"rank {r} (pid {s['pid']}) stalled: no progress while the others waited "
@@ -419,7 +424,7 @@ def run_rank(step: Step, payload: Any) -> Optional[dict]:
                 # Rank 0 is gone, and with it the store and the run's writer: the next rank
                 # says what it saw, once.
                 seen = {r: {"pid": os.getpid(), "cause": cause} for r in range(1, step.world)}
-                _tell(payload, describe(seen, {}, step.world, kind, timeout_s, payload.log_file),
+                _tell(payload, describe(seen, {}, step.world, timeout_s, payload.log_file),
                       started)
             if step.rank != 0:
                 raise
