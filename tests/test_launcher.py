@@ -149,6 +149,10 @@ def test_submitit_local_sweep_fans_out_workers(workdir: Path) -> None:
     assert [d.name for d in dirs] == ["0", "1"]
     assert [read_metrics(d)["world_size"] for d in dirs] == [1, 2]
     assert all(read_metrics(d)["status"] == "completed" for d in dirs)
+    # The sweep's table, which submitit knows nothing of (ddpexp's SweepSummary callback).
+    rows = summary_rows(sweep_dir)
+    assert sorted(r["job"] for r in rows) == ["0", "1"] and {r["status"] for r in rows} == {"completed"}
+    assert (sweep_dir / "summary.md").exists()
 
 
 def _mtimes(job_dir: Path) -> dict[str, int]:

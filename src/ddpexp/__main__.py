@@ -23,15 +23,40 @@ def cli() -> None:
     """Console entry point (``ddpexp`` and ``python -m ddpexp``)."""
     import sys
 
+    from ddpexp import slurm
+    from ddpexp.errors import DdpexpError
+    from ddpexp.proc import exit_now
+
+    if slurm.step_ranks():
+        # srun started every rank: rank 0 alone reads the command line and runs Hydra; the
+        # other tasks run on the config it hands them (ddpexp.slurm).
+        problem = slurm.sweep_problem(sys.argv[1:])
+        if problem:
+            sys.exit(problem if slurm.rank() == 0 else 1)  # said once, by rank 0
+        slurm.quiet_torch_warnings()
+        try:
+            step = slurm.current()
+        except DdpexpError as exc:
+            sys.exit(str(exc))
+        if step.rank != 0:
+            exit_now(slurm.follow(step))
+        slurm.lead(step, _checked_main)
+    else:
+        _checked_main()
+    exit_now(0)  # skips the 1-2 s interpreter teardown of a process that loaded torch
+
+
+def _checked_main() -> None:
+    """The command line's checks that come before Hydra (:func:`ddpexp.config.preflight`),
+    then Hydra's main."""
+    import sys
+
     from ddpexp.config import preflight
 
     problem = preflight(sys.argv[1:])
     if problem:
         sys.exit(problem)  # exit status 1, the message on stderr
     main()  # a failure leaves through sys.exit inside Hydra, with its own exit code
-    from ddpexp.proc import exit_now
-
-    exit_now(0)  # skips the 1-2 s interpreter teardown of a process that loaded torch
 
 
 if __name__ == "__main__":

@@ -254,9 +254,13 @@ def resume_dir(resume: Any, fresh: str) -> str:
     return unique_dir(fresh)
 
 
-def hydra_subdir(output_dir: str) -> str:
+def hydra_subdir(output_dir: str) -> Optional[str]:
     """Where Hydra saves this job's config: ``.hydra``, or ``.hydra/resume-N`` when the dir
-    already holds a run, so resuming never overwrites the config the run started with."""
+    already holds a run, so resuming never overwrites the config the run started with.
+    ``None`` (nothing saved) in the tasks other than global rank 0 of a SLURM step that all
+    run Hydra (a submitit job of several tasks): rank 0 saves it once."""
+    if _later_slurm_task():
+        return None
     first = Path(output_dir) / ".hydra"
     if not (first / "config.yaml").exists():
         return ".hydra"
@@ -264,6 +268,15 @@ def hydra_subdir(output_dir: str) -> str:
     while (first / f"resume-{n}").exists():
         n += 1
     return f".hydra/resume-{n}"
+
+
+def _later_slurm_task() -> bool:
+    env = os.environ
+    try:
+        return (int(env.get("SLURM_PROCID", "0")) > 0 and int(env.get("SLURM_NTASKS", "1")) > 1
+                and "TORCHELASTIC_RUN_ID" not in env)
+    except ValueError:
+        return False
 
 
 def trainer_config(node: Any) -> TrainerConfig:
@@ -504,11 +517,10 @@ def holds_run(path: Path) -> bool:
 
 def _shares_run_dir(values: dict[str, Any]) -> bool:
     """Processes that share one run dir by design: a submitit job requeued into its own dir,
-    the tasks of a SLURM step, the nodes of a multi-node run on a shared filesystem."""
+    the nodes of a multi-node run on a shared filesystem. (Of a SLURM step's tasks only rank
+    0 runs this check; the others take the run dir it chose.)"""
     env = os.environ
     if any(k.startswith("SUBMITIT_") for k in env):
-        return True
-    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         return True
     nodes = values.get("trainer.nodes", 1)
     return isinstance(nodes, int) and nodes > 1

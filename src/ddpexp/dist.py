@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Optional
 
 import numpy as np
 import torch
@@ -51,7 +51,8 @@ def context_from_env(gpus: int) -> DistContext:
     elif "SLURM_PROCID" in env:
         rank, local_rank = int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0))
         world = int(env["SLURM_NTASKS"])
-        local_world = int(env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0])
+        local_world = int((env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE")
+                           or "1").split("(")[0].split(",")[0])
     else:
         rank, local_rank, world, local_world = 0, 0, 1, 1
     device = torch.device("cpu")
@@ -62,10 +63,12 @@ def context_from_env(gpus: int) -> DistContext:
     return DistContext(rank, local_rank, world, local_world, device, restart)
 
 
-def init_process_group(ctx: DistContext, timeout_s: float, force: bool = False) -> None:
+def init_process_group(ctx: DistContext, timeout_s: float, force: bool = False,
+                       store: Optional[dist.Store] = None) -> None:
     """NCCL on GPUs, gloo on CPUs, with a collective timeout so that a stuck rank fails the
     run instead of hanging it. With one process and ``force`` (strategy=ddp on one worker) an
-    in-memory store is used, so no port is opened."""
+    in-memory store is used, so no port is opened. ``store`` is one the ranks already share
+    (a SLURM step's, on MASTER_PORT), used instead of opening another there."""
     if ctx.world_size == 1 and not force:
         return
     backend = "nccl" if ctx.device.type == "cuda" else "gloo"
@@ -79,7 +82,9 @@ def init_process_group(ctx: DistContext, timeout_s: float, force: bool = False) 
                                 timeout=timeout)
         return
     kwargs = {"device_id": ctx.device} if backend == "nccl" else {}
-    if ctx.restart > 0:
+    if store is not None:
+        kwargs["store"] = dist.PrefixStore("ddpexp/pg", store)
+    elif ctx.restart > 0:
         # After an elastic restart the agent's store still holds the first round's keys
         # (the dead workers' gloo/NCCL addresses), and env:// would read them: the new
         # group then hangs connecting to ports nobody listens on. A prefix per restart
@@ -123,28 +128,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     np.random.seed(seed % 2**32)
     random.seed(seed)
-
-
-def first_host(nodelist: str) -> str:
-    """The first host of a SLURM node list: ``"gpu[03-05,9],cpu1"`` -> ``"gpu03"``."""
-    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if match is None:
-        return "localhost"
-    prefix, ranges = match.groups()
-    return prefix if not ranges else prefix + ranges.split(",")[0].split("-")[0]
-
-
-def slurm_master_env() -> dict[str, str]:
-    """MASTER_ADDR/MASTER_PORT for ranks that SLURM started (``srun``): the first node of the
-    allocation, and a port derived from the job id so every rank agrees on it without talking
-    (both can be set by the user instead)."""
-    env = os.environ
-    out = {}
-    if "MASTER_ADDR" not in env:
-        out["MASTER_ADDR"] = first_host(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "localhost")))
-    if "MASTER_PORT" not in env:
-        out["MASTER_PORT"] = str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
-    return out
 
 
 def rng_state() -> dict:

@@ -26,7 +26,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from ddpexp import errors
+from ddpexp import errors, slurm
 from ddpexp.config import command_line_override, env_flag, to_plain, validate
 from ddpexp.errors import ConfigError, DdpexpError, RunDiverged, RunFailed, RunInterrupted
 from ddpexp.failures import guard_run
@@ -121,7 +121,11 @@ def run(cfg: DictConfig) -> Optional[float]:
     validate(cfg)
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
-    plan = _slurm_plan(cfg.trainer) if _slurm_ranks() else plan_run(cfg.trainer)
+    from_slurm = slurm.step_ranks()
+    if from_slurm and slurm.rank() > 0:
+        # A task of a submitit job with several tasks runs this too; rank 0 speaks for all.
+        log.setLevel(logging.WARNING)
+    plan = _slurm_plan(cfg.trainer) if from_slurm else plan_run(cfg.trainer)
     check_resources(plan)
     try:
         plain = to_plain(cfg)
@@ -149,7 +153,7 @@ def run(cfg: DictConfig) -> Optional[float]:
     )
     log.info("run dir: %s", run_dir)
     log.info("%d worker(s)%s: strategy=%s, %s", plan.world_size,
-             " (SLURM tasks)" if _slurm_ranks() else "", plan.strategy,
+             " (SLURM tasks)" if from_slurm else "", plan.strategy,
              f"{plan.gpus} GPU(s) per node" if plan.gpus else "CPU")
     if resume is None and cfg.resume == "auto":
         log.info("resume=auto: no checkpoint in %s, starting from scratch", run_dir / "checkpoints")
@@ -235,11 +239,11 @@ def dispatch(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
     ``ddpexp.eval`` both come through here."""
     from ddpexp.worker import run_worker
 
-    if _slurm_ranks():
-        from ddpexp.dist import slurm_master_env
-
-        os.environ.update(slurm_master_env())
-        return run_worker.__wrapped__(payload)
+    if slurm.step_ranks():
+        step = slurm.current()
+        if step.rank == 0:
+            step.publish(payload)
+        return slurm.run_rank(step, payload)
     if plan.world_size == 1 and cfg.trainer.max_restarts == 0:
         payload.in_process = True
         # No elastic agent: this process is the worker, so it takes SIGTERM/SIGINT itself.
@@ -248,26 +252,30 @@ def dispatch(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
 
 
 def _slurm_plan(trainer: Any) -> Plan:
-    """SLURM started one task per rank: the world is its tasks, DDP across them."""
+    """SLURM started one task per rank: the world is its tasks, DDP (or FSDP) across them.
+    A ``trainer.procs`` or ``trainer.gpus`` that asks for another number of workers per node
+    than the step has tasks is refused: SLURM, not ddpexp, decides how many there are."""
     strategy = getattr(trainer.strategy, "value", str(trainer.strategy))
-    if strategy not in ("auto", "ddp"):
+    ntasks, per_node = slurm.world_size(), slurm.tasks_per_node()
+    if strategy not in ("auto", "ddp", "fsdp"):
         raise ConfigError(
-            f"trainer.strategy={strategy} cannot span the {os.environ['SLURM_NTASKS']} tasks of this "
-            "SLURM step; use trainer.strategy=ddp (or run one task)"
+            f"trainer.strategy={strategy} cannot span the {ntasks} tasks of this SLURM step; use "
+            "trainer.strategy=ddp or fsdp (or run one task)"
         )
-    ntasks = int(os.environ["SLURM_NTASKS"])
-    per_node = int(os.environ.get("SLURM_NTASKS_PER_NODE", str(ntasks)).split("(")[0])
-    return Plan("ddp", per_node, max(1, ntasks // per_node), int(trainer.gpus))
-
-
-def _slurm_ranks() -> bool:
-    """Inside an ``srun`` step of several tasks, SLURM has already started every rank."""
-    env = os.environ
-    return (
-        "SLURM_PROCID" in env
-        and int(env.get("SLURM_NTASKS", "1")) > 1
-        and "TORCHELASTIC_RUN_ID" not in env
-    )
+    gpus, procs = int(trainer.gpus), trainer.procs
+    srun = f"srun --ntasks-per-node={per_node}"
+    if procs is not None and int(procs) != per_node:
+        raise ConfigError(
+            f"trainer.procs={procs}, but this SLURM step has {per_node} task(s) per node, each one "
+            f"rank ({srun}): leave trainer.procs unset, or start {procs} tasks per node "
+            f"(srun --ntasks-per-node={procs})"
+        )
+    if gpus > 0 and gpus != per_node:
+        raise ConfigError(
+            f"trainer.gpus={gpus}, but this SLURM step has {per_node} task(s) per node ({srun}), "
+            f"one per GPU: use srun --ntasks-per-node={gpus}, or trainer.gpus={per_node}"
+        )
+    return Plan("fsdp" if strategy == "fsdp" else "ddp", per_node, slurm.nodes(), gpus)
 
 
 def _elastic(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
@@ -407,7 +415,7 @@ def _describe_failure(exc: Any, oom_kills_before: Optional[int] = None,
 
 
 # What a rank's collective says when another rank went away: a consequence, not a cause.
-_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+_PEER_LOST = slurm.PEER_LOST
 
 
 def _logged_failures(log_file: Optional[str]) -> dict[int, tuple[str, str]]:
@@ -463,5 +471,14 @@ def _resume_hint(run_dir: Path, hydra_cfg: Any) -> str:
     args = " ".join([command_line_override("resume", run_dir), *map(shlex.quote, kept)])
     return (
         f"the last checkpoint is in {run_dir}/checkpoints. Continue it with:\n"
-        f"  python -m ddpexp {args}"
+        f"  {_srun_prefix()}python -m ddpexp {args}"
     )
+
+
+def _srun_prefix() -> str:
+    """``srun --nodes=N --ntasks-per-node=T `` when SLURM started the ranks: the resumed run
+    needs the same tasks (inside an allocation, or as a job of its own)."""
+    if not slurm.step_ranks():
+        return ""
+    nodes = f"--nodes={slurm.nodes()} " if slurm.nodes() > 1 else ""
+    return f"srun {nodes}--ntasks-per-node={slurm.tasks_per_node()} "

@@ -24,11 +24,16 @@ import argparse
 import csv
 import io
 import json
+import logging
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
+
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
 
 from ddpexp.record import METRICS_FILE, UnreadableRecord, read_metrics
 
@@ -319,6 +324,36 @@ def write_summary(directory: Path, rows: Sequence[Row]) -> tuple[Path, Path]:
         (directory / "summary_by_seed.csv").write_text(format_groups(groups, "csv"))
         (directory / "summary_by_seed.md").write_text(format_groups(groups, "md"))
     return csv_path, md_path
+
+
+class SweepSummary(Callback):
+    """The sweep table under launchers that know nothing of it (Hydra's ``submitit_slurm``,
+    ``submitit_local``, ``basic``); ddpexp's config names it in ``hydra.callbacks``. It is
+    refreshed as each job ends, in the job's process (so that a sweep whose last job failed,
+    which Hydra then ends with that job's error, still has its table), and written once more,
+    and printed, when the sweep ends. ddpexp's ``ddp`` launcher writes its own."""
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        if OmegaConf.select(config, "hydra.mode") == RunMode.MULTIRUN:
+            self._write(config)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        rows = self._write(config)
+        if rows:
+            logging.getLogger("ddpexp").info(
+                "sweep summary (%s):\n%s", Path(config.hydra.sweep.dir) / "summary.csv",
+                format_rows(rows, "text").rstrip())
+
+    @staticmethod
+    def _write(config: DictConfig) -> list[Row]:
+        target = str(OmegaConf.select(config, "hydra.launcher._target_", default="") or "")
+        if "ddpexp_launcher" in target:
+            return []
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        rows = collect(sweep_dir) if sweep_dir.is_dir() else []
+        if rows:
+            write_summary(sweep_dir, rows)
+        return rows
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -74,9 +74,10 @@ def set_threads(local_world_size: int) -> None:
 
 
 @record
-def run_worker(payload: WorkerPayload) -> Optional[dict]:
+def run_worker(payload: WorkerPayload, store: Optional[dist.Store] = None) -> Optional[dict]:
     """Train (or, for ddpexp.eval, evaluate a checkpoint) as one rank; global rank 0 returns
-    the run's metrics, the others ``None``."""
+    the run's metrics, the others ``None``. ``store``: one the ranks share already (a SLURM
+    step's), for the process group."""
     cfg = payload.config
     trainer_cfg = cfg["trainer"]
     ctx = ddist.context_from_env(trainer_cfg["gpus"])
@@ -91,7 +92,7 @@ def run_worker(payload: WorkerPayload) -> Optional[dict]:
             log.warning("restart %d of the worker group: resuming from %s", ctx.restart,
                         resume_from or "scratch (no checkpoint yet)")
     ddist.init_process_group(ctx, trainer_cfg["dist_timeout_s"],
-                             force=trainer_cfg["strategy"] in ("ddp", "fsdp"))
+                             force=trainer_cfg["strategy"] in ("ddp", "fsdp"), store=store)
     try:
         trainer = Trainer.from_config(cfg, ctx, Path(payload.run_dir), payload.hparams)
         if payload.eval_checkpoint is not None:

@@ -1,0 +1,130 @@
+"""What a SLURM task reads from its environment, in-process: the step's port and host, the
+plan of a step's ranks, the failure message rank 0 writes. (tests/test_slurm.py runs the
+same paths under a real srun.)"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from ddpexp import slurm
+from ddpexp.errors import ConfigError
+from ddpexp.launch import _resume_hint, _slurm_plan
+
+
+@pytest.fixture
+def step_env(monkeypatch):
+    """A clean SLURM environment of a 2-task step on one node; returns a setter."""
+    for key in list(os.environ):
+        if key.startswith(("SLURM_", "MASTER_", "TORCHELASTIC_")):
+            monkeypatch.delenv(key)
+    base = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "4242",
+            "SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NUM_NODES": "1",
+            "SLURM_STEP_NODELIST": "gpu[03-05,9],cpu1"}
+
+    def set_env(**values: str) -> None:
+        for key, value in {**base, **values}.items():
+            monkeypatch.setenv(key, value)
+
+    set_env()
+    return set_env
+
+
+def test_each_step_of_a_job_gets_its_own_port_on_the_first_node(step_env):
+    first = slurm.master_env()
+    assert first["MASTER_ADDR"] == "gpu03"
+    step_env(SLURM_STEP_ID="1")
+    second = slurm.master_env()
+    step_env(SLURM_JOB_ID="4243")
+    other_job = slurm.master_env()
+    ports = {int(e["MASTER_PORT"]) for e in (first, second, other_job)}
+    assert len(ports) == 3
+    assert all(slurm.PORT_BASE <= p < slurm.PORT_BASE + slurm.PORT_SPAN for p in ports)
+    step_env(MASTER_PORT="23456", MASTER_ADDR="10.0.0.1")  # the user's choice stands
+    assert slurm.master_env() == {}
+
+
+def test_a_sweep_inside_an_srun_step_is_refused():
+    assert "cannot run inside an srun step" in slurm.sweep_problem(["-m", "optimizer.lr=0.1,0.2"])
+    assert "hydra/launcher=submitit_slurm" in slurm.sweep_problem(["--multirun", "seed=0,1"])
+    assert slurm.sweep_problem(["optimizer.lr=0.1"]) is None
+
+
+def test_a_batch_script_or_one_task_is_no_step_of_ranks(step_env):
+    assert slurm.step_ranks()
+    step_env(SLURM_STEP_ID="4294967294")  # the batch script itself
+    assert not slurm.step_ranks()
+    step_env(SLURM_NTASKS="1")
+    assert not slurm.step_ranks()
+
+
+@pytest.mark.parametrize("strategy", ["auto", "ddp", "fsdp"])
+def test_a_step_spans_its_tasks_with_ddp_or_fsdp(step_env, strategy):
+    plan = _slurm_plan(SimpleNamespace(strategy=strategy, gpus=0, procs=None))
+    assert (plan.strategy, plan.procs, plan.nodes) == ("fsdp" if strategy == "fsdp" else "ddp", 2, 1)
+    step_env(SLURM_NTASKS="8", SLURM_STEP_TASKS_PER_NODE="4(x2)", SLURM_STEP_NUM_NODES="2")
+    assert _slurm_plan(SimpleNamespace(strategy=strategy, gpus=4, procs=None)).world_size == 8
+
+
+def test_workers_that_disagree_with_the_tasks_are_refused(step_env):
+    with pytest.raises(ConfigError, match=r"trainer.strategy=dp cannot span the 2 tasks .* "
+                                          r"use trainer.strategy=ddp or fsdp"):
+        _slurm_plan(SimpleNamespace(strategy="dp", gpus=0, procs=None))
+    with pytest.raises(ConfigError, match=r"trainer.procs=4, but this SLURM step has 2 task\(s\) "
+                                          r"per node.*srun --ntasks-per-node=4"):
+        _slurm_plan(SimpleNamespace(strategy="auto", gpus=0, procs=4))
+    with pytest.raises(ConfigError, match=r"trainer.gpus=4, but this SLURM step has 2 task\(s\) "
+                                          r"per node.*or trainer.gpus=2"):
+        _slurm_plan(SimpleNamespace(strategy="auto", gpus=4, procs=None))
+    assert _slurm_plan(SimpleNamespace(strategy="auto", gpus=0, procs=2)).procs == 2
+
+
+def test_the_resume_hint_repeats_the_srun(step_env, tmp_path):
+    hydra_cfg = SimpleNamespace(overrides=SimpleNamespace(task=["model=mlp", "hydra.run.dir=x"]))
+    hint = _resume_hint(tmp_path, hydra_cfg)
+    assert f"  srun --ntasks-per-node=2 python -m ddpexp resume={tmp_path} model=mlp" in hint
+    step_env(SLURM_NTASKS="4", SLURM_STEP_NUM_NODES="2")
+    assert "srun --nodes=2 --ntasks-per-node=2 python -m ddpexp" in _resume_hint(tmp_path, hydra_cfg)
+
+
+def test_the_failure_message_names_the_cause_not_its_echoes():
+    lost = {"pid": 11, "cause": "raised RuntimeError: [gloo] Connection closed by peer"}
+    raised = {"pid": 12, "cause": "raised RuntimeError: injected failure on rank 1"}
+    text = slurm.describe({0: lost, 1: raised}, {}, 2, 300, "run/ddpexp.log")
+    assert text == ("a worker failed, so the whole SLURM step was stopped:\n"
+                    "  rank 1 (pid 12) raised RuntimeError: injected failure on rank 1")
+    timed_out = {"pid": 11, "cause": "timed out in a collective", "timeout": True}
+    text = slurm.describe({0: timed_out}, {2: {"pid": 13}}, 3, 20, "run/ddpexp.log")
+    assert text.startswith("a worker stalled, so the whole SLURM step was stopped:\n  rank 2 (pid 13) "
+                           "stalled: no progress while the others waited trainer.dist_timeout_s=20 s")
+    assert "rank 0" not in text and "its Python stack is in run/ddpexp.log" in text
+    # Everyone else only lost rank 1, which said nothing: it was killed.
+    text = slurm.describe({0: lost}, {}, 2, 300, "run/ddpexp.log")
+    assert "rank 1 died without a Python error (killed by a signal" in text
+
+
+def test_submitit_slurm_requeues_on_the_pre_timeout_signal_by_default():
+    """ddpexp's submitit_slurm: max_num_timeout >= 1 (Hydra's 0 ends the sweep at the first
+    pre-timeout signal of a short job), a signal delay that suits short jobs, overridable."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.singleton import Singleton
+    from hydra.version import VersionBase
+
+    from ddpexp.config import register_configs
+
+    register_configs()
+    try:
+        with initialize_config_module(version_base="1.3", config_module="ddpexp.conf"):
+            cfg = compose("config", overrides=["hydra/launcher=submitit_slurm"],
+                          return_hydra_config=True)
+            changed = compose("config", overrides=["hydra/launcher=submitit_slurm",
+                                                   "hydra.launcher.max_num_timeout=0"],
+                              return_hydra_config=True)
+    finally:  # as ddpexp.config.compose_single_process: later launchers expect the default
+        Singleton._instances.pop(VersionBase, None)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("submitit_launcher.SlurmLauncher")
+    assert launcher.max_num_timeout == 3 and launcher.signal_delay_s == 60
+    assert changed.hydra.launcher.max_num_timeout == 0
