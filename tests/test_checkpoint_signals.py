@@ -112,7 +112,9 @@ SUBMITIT_ENV = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "4242"}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("procs", [1, 2])
+# Two workers only: one process takes the same path, and tests/test_slurm.py requeues a real
+# SLURM job.
+@pytest.mark.parametrize("procs", [2])
 def test_slurm_pre_timeout_signal_checkpoints_and_requeue_continues(workdir, procs):
     """Under submitit, SIGUSR2 (SLURM's --signal=USR2@90 that submitit asks for) stops the run
     with a checkpoint; the requeued job, the same command in the same job dir without any

@@ -280,7 +280,7 @@ def test_gpu_jobs_get_their_own_devices(workdir: Path) -> None:
 def test_job_over_timeout_is_stopped_and_reported(workdir: Path) -> None:
     # Job 0 ends after one epoch; job 1 would train for hours and must be stopped.
     res, sweep_dir = sweep(workdir, "trainer.max_steps=null", "trainer.max_epochs=1,100000",
-                           "hydra.launcher.timeout_s=25", "hydra.launcher.kill_grace_s=10",
+                           "hydra.launcher.timeout_s=14", "hydra.launcher.kill_grace_s=10",
                            expect_ok=False)
     assert res.returncode != 0
     assert "ran over hydra.launcher.timeout_s" in res.stderr
