@@ -23,11 +23,11 @@ keeps a step alive until its last task has exited:
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import json
 import logging
 import os
-import pickle
 import re
 import sys
 import threading
@@ -181,8 +181,9 @@ class Step:
 
     # -------------------------------------------------------------- the run's config
     def publish(self, payload: Any) -> None:
-        """Rank 0: hand the worker payload (resolved config, run dir) to the other tasks."""
-        self.store.set("payload", pickle.dumps(payload))
+        """Rank 0: hand the worker payload (resolved config, run dir) to the other tasks, as
+        JSON: what arrives over the network is read as data, never unpickled."""
+        self.store.set("payload", json.dumps(dataclasses.asdict(payload)))
 
     def abort(self, kind: str, message: str = "") -> None:
         """Tell every task to stop: ``kind`` is ``timeout`` (a collective waited too long),
@@ -217,7 +218,9 @@ class Step:
         while time.time() < deadline:
             try:
                 if self.store.check(["payload"]):
-                    return pickle.loads(self.store.get("payload"))
+                    from ddpexp.worker import WorkerPayload
+
+                    return WorkerPayload(**json.loads(self.store.get("payload")))
             except Exception:  # noqa: BLE001 - rank 0 ended, and with it the store
                 return None
             if self.aborted() is not None:
