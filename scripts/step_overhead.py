@@ -70,10 +70,10 @@ def main(argv=None) -> None:
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, TensorDataset
 
-    from ddpexp.config import compose_single_process
-    from ddpexp.dist import DistContext
+    from ddpexp.config.compose import compose_single_process
+    from ddpexp.strategies.dist import DistContext
     from ddpexp.models import MLP, ConvNet
-    from ddpexp.trainer import Trainer
+    from ddpexp.training.trainer import Trainer
 
     k = args.steps_per_chunk
     steps = k * (args.chunks + 1)

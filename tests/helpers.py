@@ -13,7 +13,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from ddpexp.config import compose_single_process, register_configs
+from ddpexp.config.compose import compose_single_process
+from ddpexp.config.schema import register_configs
 
 register_configs()
 
@@ -26,9 +27,9 @@ def compose_config(*overrides: str, config_dir: Optional[Path] = None) -> dict:
 
 
 def build_trainer(run_dir: Path, overrides: Sequence[str] = (), config_dir: Optional[Path] = None):
-    """A one-process :class:`ddpexp.trainer.Trainer` built from the composed config."""
-    from ddpexp.dist import DistContext
-    from ddpexp.trainer import Trainer
+    """A one-process :class:`ddpexp.training.trainer.Trainer` built from the composed config."""
+    from ddpexp.strategies.dist import DistContext
+    from ddpexp.training.trainer import Trainer
 
     plain = compose_config("trainer.progress_bar=false", *overrides, config_dir=config_dir)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
@@ -43,7 +44,7 @@ def run_cli_here(args: Sequence[str], cwd: Path, monkeypatch, capsys) -> tuple[i
 
     import pytest
 
-    import ddpexp.proc
+    import ddpexp.launch.proc
     from ddpexp.__main__ import cli
 
     def exit_now(code: int = 0) -> None:  # the real one ends the process: end the call
@@ -52,7 +53,7 @@ def run_cli_here(args: Sequence[str], cwd: Path, monkeypatch, capsys) -> tuple[i
     monkeypatch.chdir(cwd)
     monkeypatch.setattr(sys, "argv", ["ddpexp", *args])
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    monkeypatch.setattr(ddpexp.proc, "exit_now", exit_now)
+    monkeypatch.setattr(ddpexp.launch.proc, "exit_now", exit_now)
     capsys.readouterr()  # what the test printed before is not the CLI's
     with pytest.raises(SystemExit) as exited:
         cli()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpexp import checkpoint
+from ddpexp.checkpoint import io as checkpoint
 from ddpexp.errors import CheckpointError
 
 from conftest import read_metrics, run_cli
@@ -57,7 +57,7 @@ def test_sigkill_during_saves_never_leaves_an_unloadable_checkpoint(tmp_path):
     # A fork server that has imported torch but never run an op: each child starts in
     # milliseconds, and without the thread pools that make a fork of this process hang.
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "ddpexp.checkpoint"])
+    ctx.set_forkserver_preload(["torch", "ddpexp.checkpoint.io"])
     seen, stray = set(), 0
     for k in range(40):
         child = ctx.Process(target=_save_forever, args=(str(last), 1000 * k), daemon=True)

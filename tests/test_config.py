@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 from omegaconf import OmegaConf, open_dict
 
-from ddpexp.config import register_configs
+from ddpexp.config.schema import register_configs
 from conftest import only_run_dir, read_metrics, run_cli
 
 register_configs()

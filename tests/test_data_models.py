@@ -183,7 +183,7 @@ def test_missing_files_messages(tmp_path, name, hint):
 
 
 def test_nothing_is_downloaded_by_default():
-    from ddpexp.data import _TorchvisionSource
+    from ddpexp.data.sources import _TorchvisionSource
 
     for name in ("mnist", "fashion_mnist", "cifar10"):
         assert yaml.safe_load((CONF / "data" / f"{name}.yaml").read_text())["download"] is False
@@ -284,7 +284,7 @@ def test_config_reference_lists_every_key():
     have, so that the reference cannot fall behind the config."""
     import dataclasses
 
-    from ddpexp.config import TrainerConfig
+    from ddpexp.config.schema import TrainerConfig
 
     doc = (CONF.parents[2] / "docs" / "config.md").read_text()
     for f in dataclasses.fields(TrainerConfig):

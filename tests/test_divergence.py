@@ -18,7 +18,7 @@ import torch
 from conftest import only_run_dir, run_cli, run_dirs
 from helpers import build_trainer, run_cli_here
 
-from ddpexp.divergence import LossCeiling
+from ddpexp.training.divergence import LossCeiling
 
 # 256 train samples: 4 optimizer steps per epoch at world size 1, 2 at world size 2.
 TINY = ["data=synthetic", "data.shape=[6]", "data.num_classes=3", "data.num_samples=256",
@@ -143,7 +143,7 @@ def test_a_sweeper_gets_the_worst_value_for_its_direction():
     from hydra.types import RunMode
 
     from ddpexp.errors import RunDiverged
-    from ddpexp.launch import _diverged
+    from ddpexp.launch.fanout import _diverged
 
     sweep = SimpleNamespace(mode=RunMode.MULTIRUN)
     assert _diverged({"monitor_mode": "max", "error": "x"}, sweep) == -math.inf

@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from ddpexp.ema import EMA
+from ddpexp.callbacks.ema import EMA
 from ddpexp.errors import ConfigError
-from ddpexp.profiling import StepProfiler
-from ddpexp.topk import TopK
+from ddpexp.callbacks.profiler import StepProfiler
+from ddpexp.checkpoint.topk import TopK
 
 
 def _net() -> nn.Module:

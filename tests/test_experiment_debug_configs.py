@@ -211,7 +211,7 @@ def test_experiments_in_a_sweep(workdir):
 def test_bad_values_of_the_new_keys_are_named(override, message):
     from omegaconf import OmegaConf
 
-    from ddpexp.config import validate
+    from ddpexp.config.validate import validate
     from ddpexp.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):

@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from conftest import only_run_dir, read_metrics, read_scalars, run_cli
-from ddpexp.checkpoint import is_sharded
+from ddpexp.checkpoint.io import is_sharded
 
 pytestmark = pytest.mark.slow
 
@@ -153,7 +153,7 @@ def test_gpt_blocks_tied_weights_and_activation_checkpointing(workdir):
 
 
 def whole_weights(run_dir: Path) -> dict:
-    from ddpexp.checkpoint import load
+    from ddpexp.checkpoint.io import load
 
     return load(run_dir / "checkpoints" / "last.pt")["model"]
 

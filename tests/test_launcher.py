@@ -212,22 +212,22 @@ def test_a_job_killed_while_the_sweep_stops_is_interrupted(tmp_path: Path, caplo
     import subprocess
     import sys
 
-    from hydra_plugins.ddpexp_launcher import _core
+    from ddpexp.sweep import pool
     from hydra_plugins.ddpexp_launcher.ddp_launcher import DdpLauncher
 
     launcher = DdpLauncher(kill_grace_s=30)
-    job = _core.Job(idx=1, overrides=["seed=1"], dir=tmp_path / "1",
+    job = pool.Job(idx=1, overrides=["seed=1"], dir=tmp_path / "1",
                     files=[str(tmp_path / "spec"), str(tmp_path / "result")])
     job.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                                 process_group=0)
     job.started = time.time()
-    stop = _core._StopSignals()
+    stop = pool._StopSignals()
     stop.signal_name = "SIGINT"  # what its handler records on Ctrl-C
     with caplog.at_level("INFO", logger="hydra_plugins.ddpexp_launcher"):
-        _core._enforce_limits(launcher, job, stop)  # sends SIGTERM to the job's group
+        pool._enforce_limits(launcher, job, stop)  # sends SIGTERM to the job's group
         job.proc.wait(timeout=30)
-        _core._finish(job)
-        _core.report(launcher, [job], tmp_path)
+        pool._finish(job)
+        pool.report(launcher, [job], tmp_path)
     assert (job.outcome, job.interrupted_by) == ("interrupted", "SIGTERM")
     assert "#1 ended (interrupted by SIGTERM)" in caplog.text
     assert "1 of 1 job(s) interrupted" in caplog.text and "failed" not in caplog.text
@@ -237,7 +237,7 @@ def test_a_job_killed_while_the_sweep_stops_is_interrupted(tmp_path: Path, caplo
 
 
 def test_slices_are_disjoint_and_jobs_wait_for_gpus() -> None:
-    from hydra_plugins.ddpexp_launcher._core import Slices
+    from ddpexp.sweep.pool import Slices
 
     cores = sorted(os.sched_getaffinity(0))
     slices = Slices(2, ["a", "b", "c"])

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ddpexp.config import compose_single_process
+from ddpexp.config.compose import compose_single_process
 from ddpexp.errors import ConfigError
 from ddpexp.loggers import (
     CSVLogger,

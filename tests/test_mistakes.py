@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from ddpexp.config import existing_run_overwritten, writable_dir_problem
-from ddpexp.failures import explain_os_error
+from ddpexp.config.cli import existing_run_overwritten
+from ddpexp.config.rundir import writable_dir_problem
+from ddpexp.launch.failures import explain_os_error
 from conftest import run_dirs
 from helpers import run_cli_here
 
@@ -228,8 +229,8 @@ def test_report_skips_a_malformed_metrics_file_and_says_so(tmp_path, capsys):
 
 def test_workers_that_cannot_fit_in_memory_are_refused(tmp_path, monkeypatch, capsys, caplog):
     from ddpexp.errors import ConfigError
-    from ddpexp.launch import Plan
-    from ddpexp.resources import check_resources
+    from ddpexp.launch.fanout import Plan
+    from ddpexp.launch.resources import check_resources
 
     with pytest.raises(ConfigError, match=r"trainer.procs=64 starts 64 worker processes, at least "
                                           r"18.8 GiB .* but 8.0 GiB is available; use trainer.procs=27"):

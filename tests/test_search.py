@@ -16,11 +16,11 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 from optuna.trial import TrialState
 
 from conftest import finish, read_metrics, run_cli, start_cli
-from ddpexp import pruning
+from ddpexp.callbacks import pruning as trial_side
+from ddpexp.sweep import pruning
 from ddpexp.errors import ConfigError
-from hydra_plugins.ddpexp_optuna_sweeper import _search, _space
-
-# Short trials on the default digits data: 1-3 epochs, no step logging.
+from ddpexp.sweep import search as _search
+from ddpexp.sweep import space as _space
 QUICK = ["hydra/sweeper=optuna_async", "trainer.log_every_n_steps=100000", "trainer.test=false"]
 
 
@@ -134,7 +134,7 @@ def test_the_same_seed_asks_the_same_first_trials(name: str) -> None:
 def test_reporter_reports_to_its_trial_and_the_median_pruner_answers(tmp_path: Path,
                                                                      monkeypatch) -> None:
     monkeypatch.delenv(pruning.ENV, raising=False)
-    assert pruning.from_env() is None and not pruning.in_trial()
+    assert trial_side.from_env() is None and not trial_side.in_trial()
     study = _study(tmp_path)
     for good in (0.9, 0.8):  # two completed trials with a value at every epoch
         trial = study.ask()
@@ -146,8 +146,8 @@ def test_reporter_reports_to_its_trial_and_the_median_pruner_answers(tmp_path: P
         trial = study.ask()
         env = pruning.trial_env(str(tmp_path / _search.JOURNAL), "ddpexp", trial._trial_id, spec)
         monkeypatch.setenv(pruning.ENV, env[pruning.ENV])
-        reporter = pruning.from_env()
-        assert reporter is not None and pruning.in_trial()
+        reporter = trial_side.from_env()
+        assert reporter is not None and trial_side.in_trial()
         # Epoch 0 is a warm-up step: never pruned; at epoch 1 the bad trial is.
         assert [reporter.should_prune(e, value) for e in range(2)] == pruned
         assert study.trials[trial.number].intermediate_values == {0: value, 1: value}

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from ddpexp import slurm
+from ddpexp.launch import slurm
 from ddpexp.errors import ConfigError
-from ddpexp.launch import _resume_hint, _slurm_plan
+from ddpexp.launch.fanout import _resume_hint, _slurm_plan
 
 
 @pytest.fixture
@@ -112,7 +112,7 @@ def test_submitit_slurm_requeues_on_the_pre_timeout_signal_by_default():
     from hydra.core.singleton import Singleton
     from hydra.version import VersionBase
 
-    from ddpexp.config import register_configs
+    from ddpexp.config.schema import register_configs
 
     register_configs()
     try:
@@ -122,7 +122,7 @@ def test_submitit_slurm_requeues_on_the_pre_timeout_signal_by_default():
             changed = compose("config", overrides=["hydra/launcher=submitit_slurm",
                                                    "hydra.launcher.max_num_timeout=0"],
                               return_hydra_config=True)
-    finally:  # as ddpexp.config.compose_single_process: later launchers expect the default
+    finally:  # as ddpexp.config.compose.compose_single_process: later launchers expect the default
         Singleton._instances.pop(VersionBase, None)
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("submitit_launcher.SlurmLauncher")

@@ -39,7 +39,7 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 def initial_mlp() -> dict[str, torch.Tensor]:
     """The weights a run with seed 0 starts from (the trainer seeds, then builds the model)."""
-    from ddpexp.dist import seed_everything
+    from ddpexp.strategies.dist import seed_everything
     from ddpexp.models import MLP
 
     seed_everything(0)
@@ -220,7 +220,7 @@ def test_an_error_in_a_user_model_keeps_its_cause(tmp_path, tutorial_conf):
 
 def test_channels_last_default_on_gpus_only_with_tensor_core_precisions():
     from ddpexp.models import MLP, ConvNet
-    from ddpexp.probe import channels_last_pays as _channels_last_pays
+    from ddpexp.training.probe import channels_last_pays as _channels_last_pays
 
     conv, mlp = ConvNet(input_shape=[3, 8, 8], num_classes=2), MLP(input_shape=[3, 8, 8], num_classes=2)
     cuda = torch.device("cuda", 0)

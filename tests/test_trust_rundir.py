@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpexp.config import SWEPT, command_line_override, command_line_values
+from ddpexp.config.cli import SWEPT, command_line_override, command_line_values
 from helpers import run_cli_here
 
 # A few steps on a tiny synthetic dataset.

@@ -12,13 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from ddpexp import watchdog as wd
-
-# A "rank" that marks the given phases, then blocks in a function named for the test to find
+from ddpexp.launch import watchdog as wd
 # in its stack dump. Local ranks 0 and 1 are global ranks 2 and 3, as on a second node.
 WORKER = textwrap.dedent("""
     import sys, time
-    from ddpexp.watchdog import heartbeat_from_env
+    from ddpexp.launch.watchdog import heartbeat_from_env
     beat = heartbeat_from_env(int(sys.argv[1]), rank=int(sys.argv[1]) + 2)
     for phase in map(int, sys.argv[2].split(",")):
         beat.mark(phase, 7)

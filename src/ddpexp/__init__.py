@@ -19,6 +19,24 @@ _LAZY = {
 }
 
 
+def lazy_attributes(package: str, table: dict[str, str]):
+    """``__getattr__`` and ``__dir__`` for a package whose public names live in its modules
+    (PEP 562): ``table`` maps each name to the module that defines it, imported on first use,
+    so that importing the package (or one module of it) imports nothing else."""
+
+    def __getattr__(name: str) -> Any:
+        if name in table:
+            value = getattr(importlib.import_module(table[name]), name)
+            setattr(importlib.import_module(package), name, value)
+            return value
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    def __dir__() -> list[str]:
+        return sorted(set(table) | set(vars(importlib.import_module(package))))
+
+    return __getattr__, __dir__
+
+
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         module, attr = _LAZY[name]

@@ -5,7 +5,7 @@ from typing import Optional
 import hydra
 from omegaconf import DictConfig
 
-from ddpexp.config import register_configs
+from ddpexp.config.schema import register_configs
 
 register_configs()
 
@@ -14,7 +14,7 @@ register_configs()
 def main(cfg: DictConfig) -> Optional[float]:
     """Run one experiment (every job of a sweep calls this); returns the monitored metric
     so that sweepers (ddpexp's optuna_async, Hydra's) can optimise it."""
-    from ddpexp.launch import run
+    from ddpexp.launch.fanout import run
 
     return run(cfg)
 
@@ -23,13 +23,13 @@ def cli() -> None:
     """Console entry point (``ddpexp`` and ``python -m ddpexp``)."""
     import sys
 
-    from ddpexp import slurm
+    from ddpexp.launch import slurm
     from ddpexp.errors import DdpexpError
-    from ddpexp.proc import exit_now
+    from ddpexp.launch.proc import exit_now
 
     if slurm.step_ranks():
         # srun started every rank: rank 0 alone reads the command line and runs Hydra; the
-        # other tasks run on the config it hands them (ddpexp.slurm).
+        # other tasks run on the config it hands them (ddpexp.launch.slurm).
         problem = slurm.sweep_problem(sys.argv[1:])
         if problem:
             sys.exit(problem if slurm.rank() == 0 else 1)  # said once, by rank 0
@@ -47,11 +47,11 @@ def cli() -> None:
 
 
 def _checked_main() -> None:
-    """The command line's checks that come before Hydra (:func:`ddpexp.config.preflight`),
+    """The command line's checks that come before Hydra (:func:`ddpexp.config.cli.preflight`),
     then Hydra's main."""
     import sys
 
-    from ddpexp.config import preflight
+    from ddpexp.config.cli import preflight
 
     problem = preflight(sys.argv[1:])
     if problem:

@@ -4,8 +4,8 @@ PATH is a run dir (its ``checkpoints/best.pt``), a checkpoint file, or a sweep d
 job's ``best.pt``, one row each). Task, model and data are rebuilt from the resolved config
 stored in the checkpoint, with the overrides on top (``data.root=...``, ``trainer.procs=2``,
 ``split=val``; ``split=test`` by default). Evaluation is the trainer's own sharded
-:meth:`~ddpexp.trainer.Trainer.evaluate_checkpoint`, run through the same fan-out as a
-training run (:func:`ddpexp.launch.dispatch`), so each sample counts exactly once whatever
+:meth:`~ddpexp.training.trainer.Trainer.evaluate_checkpoint`, run through the same fan-out as a
+training run (:func:`ddpexp.launch.fanout.dispatch`), so each sample counts exactly once whatever
 the number of workers and the numbers match the ``test/<name>`` the run recorded. Each
 evaluation is also written to ``eval-<time>.json`` in its run dir.
 """
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ddpexp import checkpoint as ckpt_io
+from ddpexp.checkpoint import io as ckpt_io
 from ddpexp.errors import CheckpointError, ConfigError, DdpexpError
 
 SPLITS = ("test", "val")
@@ -92,8 +92,8 @@ def evaluate(run_dir: Path, checkpoint: Path, overrides: Sequence[str] = ()) -> 
     into ``run_dir``."""
     from omegaconf import OmegaConf
 
-    from ddpexp.launch import dispatch, plan_run
-    from ddpexp.worker import WorkerPayload
+    from ddpexp.launch.fanout import dispatch, plan_run
+    from ddpexp.launch.worker import WorkerPayload
 
     sharded = ckpt_io.is_sharded(checkpoint)
     if not checkpoint.is_file() and not sharded:
@@ -164,7 +164,7 @@ def format_table(rows: Sequence[tuple[str, Optional[dict], Optional[str]]]) -> s
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Evaluate, print the table; exit 1 with one message per checkpoint that could not be
     evaluated (no traceback unless ``HYDRA_FULL_ERROR=1``)."""
-    from ddpexp.config import env_flag
+    from ddpexp.config.cli import env_flag
 
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):

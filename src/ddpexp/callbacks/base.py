@@ -12,7 +12,7 @@ evaluates or saves them, user callbacks in the middle, early stopping after them
 checkpoint last, so that a checkpoint holds the state every other callback reached in its
 epoch (a resume then starts exactly where the run was).
 
-``"Trainer"`` in the signatures is :class:`ddpexp.trainer.Trainer`, which imports this module
+``"Trainer"`` in the signatures is :class:`ddpexp.training.trainer.Trainer`, which imports this module
 (so this one does not import it).
 """
 
@@ -45,7 +45,7 @@ EARLY, USER, LATE, LAST = -100, 0, 100, 1000
 class Callback:
     """Base class of the callbacks. Override any of the events; each is optional.
 
-    ``trainer`` is the running :class:`~ddpexp.trainer.Trainer`. What a callback may use of
+    ``trainer`` is the running :class:`~ddpexp.training.trainer.Trainer`. What a callback may use of
     it: ``epoch``, ``step``, ``rank``, ``world_size``, ``is_main``, ``run_dir``, ``model``
     (as wrapped), ``module`` (unwrapped), ``optimizer``, ``loggers``, ``monitor``,
     ``log_metrics(dict)`` and ``request_stop(reason)``.
@@ -86,7 +86,7 @@ class Callback:
 
     def on_exception(self, trainer: "Trainer", exc: BaseException) -> None:
         """The run failed (on the rank that raised) or was interrupted by a signal (on every
-        rank, with a :class:`~ddpexp.signals.Interrupted`). Run no collective for a failure:
+        rank, with a :class:`~ddpexp.training.signals.Interrupted`). Run no collective for a failure:
         the other ranks may be gone."""
 
     def on_save_checkpoint(self, trainer: "Trainer", checkpoint: dict) -> None:

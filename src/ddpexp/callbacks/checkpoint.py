@@ -14,12 +14,12 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping, Optional
 
-from ddpexp import checkpoint as ckpt_io
+from ddpexp.checkpoint import io as ckpt_io
 from ddpexp.callbacks.base import LAST, Callback
 from ddpexp.errors import ConfigError
-from ddpexp.signals import Interrupted
-from ddpexp.topk import TopK
-from ddpexp.watchdog import CHECKPOINT
+from ddpexp.training.signals import Interrupted
+from ddpexp.checkpoint.topk import TopK
+from ddpexp.launch.watchdog import CHECKPOINT
 
 
 log = logging.getLogger("ddpexp")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from ddpexp import components
+from ddpexp.config import components
 from ddpexp.errors import ConfigError, DdpexpError
 from ddpexp.loggers.base import SUCCESS_STATUSES, Logger, RunInfo, outputs_root, run_name
 from ddpexp.loggers.csv import CSVLogger

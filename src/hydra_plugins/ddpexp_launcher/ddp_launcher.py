@@ -36,6 +36,6 @@ class DdpLauncher(Launcher):
         self.task_function = task_function
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from hydra_plugins.ddpexp_launcher import _core
+        from ddpexp.sweep import pool
 
-        return _core.launch(self, job_overrides=job_overrides, initial_job_idx=initial_job_idx)
+        return pool.launch(self, job_overrides=job_overrides, initial_job_idx=initial_job_idx)

@@ -36,6 +36,6 @@ class OptunaAsyncSweeper(Sweeper):
             hydra_context=hydra_context, task_function=task_function, config=config)
 
     def sweep(self, arguments: List[str]) -> Any:
-        from hydra_plugins.ddpexp_optuna_sweeper import _search
+        from ddpexp.sweep import search
 
-        return _search.run(self, arguments)
+        return search.run(self, arguments)

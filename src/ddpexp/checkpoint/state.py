@@ -1,0 +1,235 @@
+"""What a checkpoint holds, gathered from a running trainer and given back to one.
+
+Schema of a checkpoint (format 3; ``torch.load(weights_only=True)`` reads every entry)::
+
+    format       int
+    model        the unwrapped model's state_dict (no "module." prefixes); with the ema
+                 callback, the averaged weights (what was validated)
+    raw_model    with the ema callback only: the trained (not averaged) weights
+    ema          with the ema callback only: {"decay", "updates"}
+    optimizer    optimizer.state_dict()
+    scheduler    scheduler.state_dict() or None
+    scaler       GradScaler.state_dict() or None
+    epoch        the epoch a resume starts in (0-based)
+    batch        batches of that epoch already done (0 = at the epoch's start)
+    step         optimizer steps done in all
+    best         {"metric": name, "value": best value or None, "epoch": int or None}
+    metrics      the latest validation metrics, e.g. {"val/loss": .., "val/acc": ..}
+    history      [{epoch, step, val/...}, ...] of every validation so far
+    callbacks    {name: the callback's state_dict()}, e.g. callbacks/checkpoint's top-k
+                 ranking, callbacks/early_stopping's counter
+    loggers      {name: the logger's state_dict()}, e.g. the MLflow run id
+    ranks        one entry per rank: {"rng": generator states (torch, cuda, numpy, python),
+                 "train_accum": {"names", "sums", "seen"} not yet logged}
+    world_size   the world size that wrote it (``ranks`` has one entry per rank)
+    global_batch samples per micro-batch over all ranks (data.batch_size x world_size), so
+                 that ``batch`` converts to another world size or batch size
+    config       the resolved config of the run, plain Python
+
+Under ``strategy=fsdp`` ``last.pt`` is a sharded directory (:mod:`ddpexp.checkpoint.io`) whose
+``model``, ``raw_model`` and ``optimizer`` (keyed by parameter name) are each rank's shards,
+the rest in its ``meta.pt``; its best.pt and top-k files are single files with the whole
+``model`` and every entry above but ``optimizer`` and ``raw_model``.
+
+Format 2 (before callbacks) kept the top-k ranking under ``top_k`` and the early-stopping
+counter under ``early_stop``; it still resumes.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from ddpexp.checkpoint import io as ckpt_io
+from ddpexp.strategies.dist import rng_state, set_rng_state
+from ddpexp.errors import ConfigError
+
+
+log = logging.getLogger("ddpexp")
+
+FORMAT = 3
+
+
+def gather(trainer: "Trainer") -> Optional[dict]:
+    """The checkpoint of ``trainer`` as it is now. Every rank must call it (it gathers each
+    rank's random state); global rank 0 gets the dict, the others ``None``; under a sharded
+    strategy (fsdp) every rank gets it, ``"model"`` and ``"optimizer"`` holding its shards."""
+    mine = {"rng": rng_state(), "train_accum": trainer.train_means.state_dict()}
+    ranks = [mine]
+    if trainer.world_size > 1:
+        ranks = [None] * trainer.world_size
+        dist.all_gather_object(ranks, mine)
+    strategy = trainer.strategy
+    if not trainer.is_main and not strategy.sharded:
+        return None
+    epoch, batch = trainer.resume_point()
+    state = {
+        "format": FORMAT,
+        "model": strategy.model_state(trainer.module),
+        "optimizer": strategy.optimizer_state(trainer.module, trainer.optimizer),
+        "scheduler": trainer.scheduler.state_dict() if trainer.scheduler is not None else None,
+        "scaler": trainer.scaler.state_dict() if trainer.scaler.is_enabled() else None,
+        "epoch": epoch,
+        "batch": batch,
+        "step": trainer.step,
+        "best": {"metric": trainer.monitor, "value": trainer.best_value, "epoch": trainer.best_epoch},
+        "metrics": trainer.metrics,
+        "history": trainer.history,
+        "callbacks": {name: cb.state_dict() for name, cb in trainer.callbacks},
+        "loggers": trainer.loggers.state_dict(),
+        "ranks": ranks,
+        "world_size": trainer.world_size,
+        # Samples per micro-batch over all ranks: where "batch" is in the epoch at another
+        # world size or batch size.
+        "global_batch": trainer.data.batch_size * trainer.world_size,
+        "config": trainer.config,
+    }
+    trainer.callbacks.fire("on_save_checkpoint", trainer, state)
+    return state
+
+
+def load(trainer: "Trainer", path: Path) -> None:
+    """Resume ``trainer`` from the checkpoint at ``path``, a file or a sharded directory
+    written at any world size (every rank reads it)."""
+    sharded = ckpt_io.is_sharded(path)
+    if sharded:
+        from ddpexp.strategies.fsdp import sharded_shapes
+
+        state = None
+        saved = {k: torch.empty(shape, device="meta")
+                 for k, shape in sharded_shapes(path).get("model", {}).items()}
+    else:
+        state = ckpt_io.load(path, map_location=trainer.device)
+        saved = state["model"]
+    differs = model_difference(trainer.module.state_dict(), saved)
+    if differs:
+        raise ConfigError(
+            f"checkpoint {path} does not fit this run's model: {differs}. Resume with the "
+            "model config the run was started with (its .hydra/config.yaml)"
+        )
+    strategy = trainer.strategy
+    state = strategy.read_sharded(trainer.module, trainer.optimizer, path) if sharded else \
+        strategy.from_file(trainer.module, trainer.optimizer, state)
+    if "optimizer" not in state:
+        raise ConfigError(
+            f"checkpoint {path} holds the weights only (best.pt and the top-k files of an fsdp "
+            f"run); resume from its run's checkpoints/{ckpt_io.LAST}, or evaluate it with "
+            "python -m ddpexp.eval")
+    try:
+        restore(trainer, state)
+    except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+        text = " ".join(str(exc).split())
+        raise ConfigError(
+            f"checkpoint {path} does not fit this run's model/optimizer ({text[:300]}); "
+            "resume with the config the run was started with"
+        ) from None
+
+
+def restore(trainer: "Trainer", state: dict) -> None:
+    """Give ``trainer`` what :func:`gather` saved. Random states and unlogged training sums
+    are restored only when the world size is the same (else the run is not bit-exact, and a
+    warning says so)."""
+    t, is_main = trainer, trainer.is_main
+    t.callbacks.fire("on_load_checkpoint", t, state)
+    if "raw_model" in state:  # an average that no callback took: continue the trained weights
+        if is_main:
+            log.warning("the checkpoint holds an average of the weights (trainer.ema_decay=%s), "
+                        "this run has none: it continues the trained weights", state["ema"]["decay"])
+        state["model"] = state.pop("raw_model")
+    t.module.load_state_dict(state["model"])
+    t.strategy.load_optimizer(t.module, t.optimizer, state["optimizer"])
+    if t.scheduler is not None and state.get("scheduler") is not None:
+        t.scheduler.load_state_dict(_schedule_progress(state["scheduler"]))
+    if state.get("scaler") is not None and t.scaler.is_enabled():
+        t.scaler.load_state_dict(state["scaler"])
+    t.epoch, t.step = state["epoch"], state["step"]
+    t.batch = _batch_here(state, t.data.batch_size * t.world_size, is_main)
+    t.best_value, t.best_epoch = state["best"]["value"], state["best"]["epoch"]
+    t.metrics, t.history = state["metrics"], list(state["history"])
+    _hand_out("callbacks", dict(t.callbacks), callback_states(state), is_main)
+    t.loggers.load_state_dict(state.get("loggers") or {})
+    ranks = state["ranks"]
+    if state["world_size"] == t.world_size and len(ranks) == t.world_size:
+        mine = ranks[t.rank]
+        set_rng_state(mine["rng"])
+        t.train_means.load_state_dict(mine["train_accum"])
+    elif is_main:
+        log.warning("checkpoint written by %d workers, resumed on %d: random streams start "
+                    "afresh, so the run is not bit-identical to an uninterrupted one",
+                    state["world_size"], t.world_size)
+
+
+def _batch_here(state: dict, global_batch: int, is_main: bool) -> int:
+    """The checkpoint's position in its epoch in this run's micro-batches: the same number
+    of samples seen over all ranks, so that a run resumed at another world size with the
+    same global batch continues at the same sample."""
+    saved = state.get("global_batch")
+    if saved is None:
+        config = state.get("config") or {}
+        saved = (config.get("data") or {}).get("batch_size", 0) * state.get("world_size", 1)
+    if not saved or saved == global_batch or not state["batch"]:
+        return state["batch"]
+    samples = state["batch"] * saved
+    if samples % global_batch and is_main:
+        log.warning("the checkpoint is %d samples into epoch %d, not a whole number of this run's "
+                    "%d-sample micro-batches: the epoch continues at the micro-batch before",
+                    samples, state["epoch"], global_batch)
+    return samples // global_batch
+
+
+def callback_states(ckpt: Mapping[str, Any]) -> dict:
+    """The callbacks' states of checkpoint ``ckpt`` by name (format 2 included)."""
+    if "callbacks" in ckpt:
+        return dict(ckpt["callbacks"] or {})
+    return {"checkpoint": {"top_k": ckpt.get("top_k")},
+            "early_stopping": {"best": (ckpt.get("best") or {}).get("value"),
+                               "bad_epochs": int(ckpt.get("early_stop", 0))}}
+
+
+def _hand_out(group: str, parts: Mapping[str, Any], saved: Mapping[str, Any], is_main: bool) -> None:
+    """Each part gets its saved state; one warning line for a part without saved state, one
+    for saved state without its part."""
+    for name, part in parts.items():
+        if name in saved:
+            part.load_state_dict(saved[name])
+        elif is_main:
+            log.warning("%s.%s has no state in the checkpoint: it starts afresh", group, name)
+    extra = [name for name in saved if name not in parts]
+    if extra and is_main:
+        log.warning("the checkpoint holds the state of %s %s, which this run does not have: "
+                    "ignored", group, ", ".join(extra))
+
+
+def model_difference(mine: Mapping[str, torch.Tensor], saved: Mapping[str, Any], show: int = 4) -> str:
+    """How a checkpoint's weights differ from the model's: keys only one side has and
+    tensors of other shapes (a few of each), or "" when they fit."""
+    def some(names: list[str]) -> str:
+        return ", ".join(names[:show]) + (f" and {len(names) - show} more" if len(names) > show else "")
+
+    parts = []
+    missing = [k for k in mine if k not in saved]
+    extra = [k for k in saved if k not in mine]
+    shapes = [f"{k} {list(saved[k].shape)} in the checkpoint vs {list(v.shape)} here"
+              for k, v in mine.items()
+              if k in saved and isinstance(saved[k], torch.Tensor) and saved[k].shape != v.shape]
+    if missing:
+        parts.append(f"the checkpoint lacks {some(missing)}")
+    if extra:
+        parts.append(f"the model has no {some(extra)}")
+    if shapes:
+        parts.append("shapes differ: " + some(shapes))
+    return "; ".join(parts)
+
+
+def _schedule_progress(state: dict) -> dict:
+    """A scheduler state without LambdaLR's saved lr-multiplier attributes: the schedule's
+    shape (total steps, warm-up) comes from this run's config, only its progress from the
+    checkpoint. Otherwise a run first stopped by a smaller max_steps/max_epochs would keep
+    that run's length after ``resume=`` extends it."""
+    if "lr_lambdas" not in state:
+        return state
+    return {**state, "lr_lambdas": [None] * len(state["lr_lambdas"])}

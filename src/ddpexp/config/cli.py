@@ -1,0 +1,154 @@
+"""The command line before Hydra reads it: trainer-key typos, a run dir that already holds
+a run, ``resume=`` paths, and overrides quoted back for a printed command."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import shlex
+import shutil
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from ddpexp.config.rundir import RUN_OUTPUTS, holds_run, writable_dir_problem
+from ddpexp.config.schema import TrainerConfig
+
+
+
+def unknown_trainer_keys(args: list[str]) -> Optional[str]:
+    """A message for ``trainer.KEY=...`` overrides whose KEY is no trainer key, naming the
+    closest one. Hydra rejects them too, but suggests ``+trainer.KEY`` (adding a key the
+    trainer never reads), which is the wrong fix for a typo."""
+    known = [f.name for f in fields(TrainerConfig)]
+    problems = []
+    for arg in args:
+        key = arg.split("=", 1)[0].lstrip("+")  # +trainer.x would be kept, and never read
+        if "=" not in arg or not key.startswith("trainer.") or key.count(".") != 1:
+            continue
+        name = key.split(".", 1)[1]
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean trainer.{close[0]}?" if close else "it is not a trainer key"
+            problems.append(f"trainer.{name}: {hint}")
+    if not problems:
+        return None
+    return ("unknown trainer key " + "; ".join(problems)
+            + f"\n(trainer keys: {', '.join(known)})")
+
+
+# A sweep's value (``a,b``, ``range(3)``) in :func:`command_line_values`.
+SWEPT = object()
+
+
+def command_line_values(args: Sequence[str]) -> dict[str, Any]:
+    """The overrides on the command line ``args`` as Hydra itself reads them, by key (its
+    ``+``/``++`` prefix dropped): quotes and escapes undone, so that
+    ``'hydra.run.dir="outputs/my run"'`` and ``hydra.run.dir=outputs/my\\ run`` both give
+    ``"outputs/my run"``, and ``null``, numbers and booleans typed. A sweep's value is
+    :data:`SWEPT`. Flags, their values, deletions (``~key``) and what Hydra cannot parse (it
+    reports that itself) are left out."""
+    parser = OverridesParser.create()
+    values: dict[str, Any] = {}
+    for arg in args:
+        if arg.startswith("-"):
+            continue
+        try:
+            override = parser.parse_override(arg)
+        except HydraException:
+            continue
+        if override.is_delete():
+            continue
+        values[override.key_or_group] = SWEPT if override.is_sweep_override() else override.value()
+    return values
+
+
+def command_line_override(key: str, value: Any) -> str:
+    """``key=value`` as one shell word that Hydra reads back as ``value``: quoted for Hydra
+    where its grammar would read the bare value otherwise (spaces at the ends, non-ASCII
+    letters, ``null``...), then for the shell. ``resume=outputs/run`` stays as it is;
+    ``outputs/my run é`` becomes ``'resume="outputs/my run é"'``."""
+    text = str(value)
+    bare = f"{key}={text}"
+    try:
+        if OverridesParser.create().parse_override(bare).value() == text:
+            return shlex.quote(bare)
+    except HydraException:
+        pass
+    # In Hydra's quoted strings only backslashes before a quote (or the closing one) escape.
+    escaped = re.sub(r'(\\*)("|$)', lambda m: m.group(1) * 2 + ("\\" + m.group(2) if m.group(2) else ""),
+                     text)
+    return shlex.quote(f'{key}="{escaped}"')
+
+
+def preflight(args: list[str]) -> Optional[str]:
+    """Checks of the command line that must happen before Hydra claims a run dir: trainer
+    key typos, a run dir that already holds a run, and a ``resume=`` path that does not
+    exist (which would otherwise leave an empty new run dir behind its error)."""
+    typo = unknown_trainer_keys(args)
+    if typo:
+        return typo
+    taken = existing_run_overwritten(args)
+    if taken:
+        return taken
+    resume = command_line_values(args).get("resume")
+    if isinstance(resume, str) and resume not in ("", "auto") and not Path(resume).expanduser().exists():
+        return f"resume={resume} is neither auto, a run dir nor a checkpoint file that exists"
+    return None
+
+
+def _shares_run_dir(values: dict[str, Any]) -> bool:
+    """Processes that share one run dir by design: a submitit job requeued into its own dir,
+    the nodes of a multi-node run on a shared filesystem. (Of a SLURM step's tasks only rank
+    0 runs this check; the others take the run dir it chose.)"""
+    env = os.environ
+    if any(k.startswith("SUBMITIT_") for k in env):
+        return True
+    nodes = values.get("trainer.nodes", 1)
+    return isinstance(nodes, int) and nodes > 1
+
+
+def existing_run_overwritten(args: list[str]) -> Optional[str]:
+    """A message when ``hydra.run.dir`` (or a sweep's ``hydra.sweep.dir``) names a dir that
+    already holds a run and neither ``resume=`` nor ``overwrite=true`` says what to do with it;
+    with ``overwrite=true`` the old run's outputs are removed first. Checked before Hydra
+    writes anything into the dir, on the path Hydra will use (however it was quoted)."""
+    values = command_line_values(args)
+    multirun = any(a in ("-m", "--multirun") for a in args)
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    target = values.get(key)
+    target = None if target is None or target is SWEPT or "${" in str(target) else str(target)
+    # The default run and sweep dirs are under ./outputs.
+    problem = writable_dir_problem(Path(target or "outputs"))
+    if problem:
+        return problem
+    if target is None:
+        return None
+    path = Path(target).expanduser()
+    runs = [path] if not multirun else [d for d in path.iterdir() if d.is_dir()] if path.is_dir() else []
+    runs = [d for d in runs if holds_run(d)]
+    if not runs or values.get("resume") not in (None, "") or _shares_run_dir(values):
+        return None
+    if str(values.get("overwrite", False)).lower() in ("true", "1", "yes", "on"):
+        for run in runs:
+            for name in (*RUN_OUTPUTS, *(p.name for p in run.glob("*.log"))):
+                victim = run / name
+                if victim.is_dir():
+                    shutil.rmtree(victim)
+                elif victim.exists():
+                    victim.unlink()
+        return None
+    what = f"{command_line_override(key, target)} already holds " + (
+        "a run" if not multirun else f"{len(runs)} run(s) of an earlier sweep")
+    resume_hint = "resume=auto" if multirun else command_line_override("resume", target)
+    return (f"{what}; a new run there would overwrite its checkpoints and metrics.json. "
+            f"Continue it with {resume_hint}, start it over with overwrite=true "
+            f"(removes its outputs first), or pick another {key}")
+
+
+def env_flag(name: str) -> bool:
+    """True when an environment variable is set to something other than 0/false/empty."""
+    return os.environ.get(name, "").lower() not in ("", "0", "false", "no")

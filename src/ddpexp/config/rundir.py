@@ -1,0 +1,123 @@
+"""Run dirs: claimed atomically (two runs started in the same second never share one),
+found again for ``resume=``, and where Hydra saves a job's config inside one."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+
+from ddpexp.errors import ConfigError
+
+
+# Hydra resolves hydra.run.dir / hydra.sweep.dir several times in one process (the sweeper
+# creates the sweep dir, the launcher reads it again). Each must see the same answer, so
+# the dir made for a requested path is remembered for the life of the process.
+_CLAIMED: dict[str, str] = {}
+
+
+def unique_dir(path: str) -> str:
+    """Claim ``path``, or ``path-1``, ``path-2``... if another run got there first.
+
+    ``os.mkdir`` is atomic, so two runs started in the same second never share a dir. The
+    claim is remembered by absolute path: the same relative path from another working
+    directory (several runs in one process) is another dir.
+    """
+    key = str(Path(path).absolute())
+    if key in _CLAIMED:
+        return _CLAIMED[key]
+    base = Path(path)
+    try:
+        base.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(unwritable_dir_message(base, exc)) from None
+    for n in range(10_000):
+        candidate = base if n == 0 else base.with_name(f"{base.name}-{n}")
+        try:
+            candidate.mkdir()
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise ConfigError(unwritable_dir_message(candidate, exc)) from None
+        _CLAIMED[key] = str(candidate)
+        return str(candidate)
+    raise ConfigError(f"could not create a fresh run dir next to {path}")
+
+
+def claimed_dirs() -> set[str]:
+    """The run and sweep dirs this process created (absolute paths)."""
+    return {str(Path(key).parent / Path(d).name) for key, d in _CLAIMED.items()}
+
+
+def unwritable_dir_message(path: Path, exc: OSError) -> str:
+    """Why a run dir cannot be made at ``path``, and what to do about it."""
+    why = exc.strerror or str(exc)
+    return (f"cannot create the run dir {path}: {why}. Run from a directory you can write to, "
+            "or point hydra.run.dir (hydra.sweep.dir for -m) at one")
+
+
+def writable_dir_problem(path: Path) -> Optional[str]:
+    """A message if no run dir can be created at ``path`` (a forbidden, read-only or
+    unwritable place); creates nothing that stays."""
+    probe = Path(path).expanduser().absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"cannot create the run dir {path}: {probe} is not a directory"
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as exc:
+        return unwritable_dir_message(Path(path), exc)
+    return None
+
+
+def resume_dir(resume: Any, fresh: str) -> str:
+    """The run dir: the one ``resume`` points at (dir or checkpoint file), else ``fresh``.
+
+    ``fresh`` is only claimed (created) when it is the answer, so resuming into an old run
+    leaves no empty new dir behind.
+    """
+    if resume not in (None, "", "auto"):
+        target = Path(str(resume)).expanduser()
+        if target.is_file() and target.parent.name == "checkpoints":
+            return str(target.parent.parent)
+        if target.is_dir():
+            return str(target)
+    return unique_dir(fresh)
+
+
+def hydra_subdir(output_dir: str) -> Optional[str]:
+    """Where Hydra saves this job's config: ``.hydra``, or ``.hydra/resume-N`` when the dir
+    already holds a run, so resuming never overwrites the config the run started with.
+    ``None`` (nothing saved) in the tasks other than global rank 0 of a SLURM step that all
+    run Hydra (a submitit job of several tasks): rank 0 saves it once."""
+    if _later_slurm_task():
+        return None
+    first = Path(output_dir) / ".hydra"
+    if not (first / "config.yaml").exists():
+        return ".hydra"
+    n = 1
+    while (first / f"resume-{n}").exists():
+        n += 1
+    return f".hydra/resume-{n}"
+
+
+def _later_slurm_task() -> bool:
+    env = os.environ
+    try:
+        return (int(env.get("SLURM_PROCID", "0")) > 0 and int(env.get("SLURM_NTASKS", "1")) > 1
+                and "TORCHELASTIC_RUN_ID" not in env)
+    except ValueError:
+        return False
+
+
+# What a run writes into its dir; overwrite=true removes these before the new run starts.
+RUN_OUTPUTS = (".hydra", "checkpoints", "tb", "metrics.json", "metrics.csv")
+
+
+def holds_run(path: Path) -> bool:
+    """Whether ``path`` holds (part of) a ddpexp run: its config, checkpoints or metrics."""
+    return any((path / name).exists() for name in (".hydra/config.yaml", "checkpoints", "metrics.json"))

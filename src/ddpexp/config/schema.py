@@ -1,0 +1,177 @@
+"""The typed part of ddpexp's configuration and the OmegaConf resolvers its YAML uses.
+
+What code reads (the ``trainer`` node, ``seed``, ``resume``) is a dataclass in Hydra's
+ConfigStore, so a typo such as ``trainer.gpu=4`` or ``trainer.strategy=dpp`` fails while the
+config is composed, before anything runs. What users swap (``model``, ``data``, ``optimizer``,
+``scheduler``) stays YAML with a ``_target_`` and is checked when it is instantiated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+from ddpexp.config.rundir import hydra_subdir, resume_dir, unique_dir
+
+
+
+class Strategy(Enum):
+    """How the workers of a run share the model."""
+
+    auto = "auto"
+    ddp = "ddp"
+    fsdp = "fsdp"
+    dp = "dp"
+    single = "single"
+
+
+class MonitorMode(Enum):
+    """Whether a larger or a smaller monitored metric is better."""
+
+    max = "max"
+    min = "min"
+
+
+PRECISIONS = ("32", "bf16", "16")
+
+
+@dataclass
+class FSDPConfig:
+    """``trainer.fsdp.*``: how ``strategy=fsdp`` shards the model (docs/config.md)."""
+
+    # Class names of the modules sharded as units, before the root; None = the model's
+    # ddpexp_blocks(), else the built-in rule (ddpexp.strategies.blocks).
+    wrap: Optional[list[str]] = None
+    # Free each unit's gathered parameters after its forward (gathered again in backward):
+    # less memory, one more all-gather per unit and step.
+    reshard_after_forward: bool = True
+    # Keep the parameter, gradient and optimizer shards in CPU memory (GPU runs).
+    cpu_offload: bool = False
+
+
+@dataclass
+class TrainerConfig:
+    """Everything the trainer and the fan-out read; docs/config.md explains each key."""
+
+    # GPUs per node, one worker each (NCCL); 0 = CPU.
+    gpus: int = 0
+    # Workers per node; None = gpus if gpus > 0, else 1 (on the CPU, procs > 1 is gloo DDP).
+    procs: Optional[int] = None
+    # Nodes (torch elastic c10d rendezvous at rdzv_endpoint).
+    nodes: int = 1
+    # host:port of the rendezvous when nodes > 1.
+    rdzv_endpoint: Optional[str] = None
+    rdzv_timeout_s: int = 300
+    strategy: Strategy = Strategy.auto
+    # Kept small so that the default run is short.
+    max_epochs: int = 10
+    # Stop after this many optimizer steps in all (None = no limit).
+    max_steps: Optional[int] = None
+    # 32 | bf16 | 16 (fp16 with a gradient scaler, GPUs only).
+    precision: str = "32"
+    # Micro-batches per optimizer step (no_sync under DDP).
+    accumulate: int = 1
+    # strategy=fsdp's sharding (trainer.fsdp.wrap, reshard_after_forward, cpu_offload).
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    # Recompute each block's activations in the backward pass (ddp, fsdp, single): less
+    # memory for one more forward per block.
+    activation_checkpointing: bool = False
+    # Max total gradient norm; None = off.
+    grad_clip: Optional[float] = None
+    # Whole-group restarts after a worker dies, each resuming from last.pt.
+    max_restarts: int = 0
+    # Collective timeout: a stuck rank fails the run instead of hanging it.
+    dist_timeout_s: float = 300.0
+    # A finite training loss this many times its start (the initial weights' loss) ends the
+    # run as diverged, like a NaN one (ddpexp.training.divergence has the rule); None = NaN/inf only.
+    divergence_factor: Optional[float] = 100.0
+    log_every_n_steps: int = 20
+    # Also write last.pt every N optimizer steps mid-epoch.
+    ckpt_every_steps: Optional[int] = None
+    # Any val/<name> the task returns; None = the task's own default (its class attributes).
+    monitor: Optional[str] = None
+    # max | min; None = the task's own default.
+    monitor_mode: Optional[MonitorMode] = None
+    # Validations without a strict improvement before stopping; None = never.
+    early_stop_patience: Optional[int] = None
+    # After training, evaluate best.pt on the data's test split (test/<name> in metrics.json);
+    # selection (best.pt, early stopping, sweeps) never looks at it.
+    test: bool = True
+    sync_batchnorm: bool = False
+    # torch.compile the training forward.
+    compile: bool = False
+    # channels_last memory format for the model and 4-d batches; None = on where the model
+    # has 2-d convolutions and runs on the CPU or in bf16/16 on a GPU (measured faster).
+    channels_last: Optional[bool] = None
+    # None = on when stderr is a terminal.
+    progress_bar: Optional[bool] = None
+    # Seconds workers get to checkpoint and exit after a stop signal before they are killed.
+    shutdown_grace_s: int = 30
+    # DDP's find_unused_parameters: for models whose forward leaves some parameters out of
+    # the loss (costs an extra graph traversal per step, so off unless asked for).
+    find_unused_parameters: bool = False
+    # Batches per worker per epoch (the first N of each epoch's shard); null = all.
+    limit_train_batches: Optional[int] = None
+    # Validation batches per worker; null = the whole validation set.
+    limit_val_batches: Optional[int] = None
+    # Train on the same first N batches every epoch, unshuffled, and validate on them.
+    overfit_batches: Optional[int] = None
+    # torch.profiler over N optimizer steps after 2 warm-up steps (profile/trace.json).
+    profile_steps: Optional[int] = None
+    # Keep the K best checkpoints by `monitor` besides last.pt and best.pt; null = none.
+    save_top_k: Optional[int] = None
+    # Exponential moving average of the weights (e.g. 0.999), used for validation, test,
+    # best.pt and the sweep's value; null = off.
+    ema_decay: Optional[float] = None
+    # torch.autograd anomaly detection: the backward op that made a NaN/inf is named.
+    detect_anomaly: bool = False
+    # torch.use_deterministic_algorithms(True): ops without a deterministic kernel raise.
+    deterministic: bool = False
+
+
+@dataclass
+class DdpexpConfig:
+    """The root of the composed config; the groups fill the ``Any`` nodes."""
+
+    task: Any = MISSING
+    model: Any = MISSING
+    data: Any = MISSING
+    optimizer: Any = MISSING
+    scheduler: Any = None
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    # Dicts of entries by name, each built by its _target_ (ddpexp.config.components): the
+    # callbacks (every rank) and the loggers (global rank 0).
+    callbacks: Any = field(default_factory=dict)
+    logger: Any = field(default_factory=dict)
+    seed: int = 0
+    resume: Optional[str] = None
+    # Start a new run in a hydra.run.dir that already holds one, replacing it.
+    overwrite: bool = False
+
+
+def register_configs() -> None:
+    """Put the schema in Hydra's ConfigStore (idempotent) and register the resolvers."""
+    ConfigStore.instance().store(name="ddpexp_schema", node=DdpexpConfig)
+    ConfigStore.instance().store(group="trainer", name="base_trainer", node=TrainerConfig)
+    if not OmegaConf.has_resolver("ddpexp.unique_dir"):
+        OmegaConf.register_new_resolver("ddpexp.unique_dir", unique_dir, use_cache=True)
+    if not OmegaConf.has_resolver("ddpexp.resume_dir"):
+        OmegaConf.register_new_resolver("ddpexp.resume_dir", resume_dir)
+    if not OmegaConf.has_resolver("ddpexp.hydra_subdir"):
+        OmegaConf.register_new_resolver("ddpexp.hydra_subdir", hydra_subdir)
+
+
+def trainer_config(node: Any) -> TrainerConfig:
+    """The ``trainer`` node (a DictConfig or the plain dict workers receive) as the typed
+    :class:`TrainerConfig`, enums and all."""
+    merged = OmegaConf.merge(OmegaConf.structured(TrainerConfig), node)
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def to_plain(cfg: DictConfig) -> dict:
+    """The fully resolved config as plain Python (enums as strings): what workers receive
+    and what checkpoints store."""
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]

@@ -1,0 +1,189 @@
+"""Datasets the ``data`` config group points at, and the loaders that feed a rank.
+
+Each ``data`` option is a :class:`DataSource`: it knows its loader settings, its
+``num_classes`` and ``shape``, and builds its train, validation and test datasets. No sample is
+in two of them: in-memory data is split three ways by a fixed seed; file-based data holds the
+validation set out of the training files and keeps the official test files as the test set, so
+that what a run selects on (``best.pt``, early stopping, a sweep's ranking) never saw them.
+
+Datasets that fit in memory are :class:`InMemory` tensors and are batched by indexing
+(:class:`TensorLoader`), which is far cheaper than collating samples one by one; the rest go
+through a ``DataLoader``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Any, Iterator, Optional, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from ddpexp.errors import ConfigError
+
+
+class InMemory(Dataset):
+    """Samples held as two tensors; ``transform`` (optional) runs per sample."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, transform: Any = None):
+        self.x, self.y, self.transform = x, y, transform
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int):
+        x = self.x[i]
+        return (self.transform(x) if self.transform is not None else x), self.y[i]
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """PyTorch's DistributedSampler that can start an epoch part-way through, so that a run
+    resumed mid-epoch sees exactly the batches the interrupted run had not seen yet."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.skip = 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        super().set_epoch(epoch)
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(super().__iter__(), self.skip, None)
+
+    def __len__(self) -> int:
+        return max(0, self.num_samples - self.skip)
+
+
+class TensorLoader:
+    """Batches of an :class:`InMemory` dataset by tensor indexing, in the sampler's order."""
+
+    def __init__(self, dataset: InMemory, batch_size: int, sampler: Sequence[int] | Any):
+        self.dataset, self.batch_size, self.sampler = dataset, batch_size, sampler
+
+    def __len__(self) -> int:
+        return -(-len(self.sampler) // self.batch_size)
+
+    def __iter__(self):
+        order = torch.as_tensor(list(self.sampler), dtype=torch.long)
+        x, y = self.dataset.x, self.dataset.y
+        for start in range(0, len(order), self.batch_size):
+            idx = order[start : start + self.batch_size]
+            # index_select, not x[idx]: the same gather, in half the time of advanced
+            # indexing on CPU (45 vs 99 us for 32 samples of 3x32x32 floats).
+            yield x.index_select(0, idx), y.index_select(0, idx)
+
+
+def seed_worker(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: numpy and ``random`` follow the worker's torch seed,
+    which the loader derives from the rank's generator and the worker id."""
+    seed = torch.initial_seed() % 2**32
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+class DataSource:
+    """Loader settings plus the datasets; subclasses implement :meth:`load`."""
+
+    def __init__(
+        self,
+        batch_size: int = 64,
+        num_workers: int = 0,
+        num_classes: Optional[int] = None,
+        shape: Optional[Sequence[int]] = None,
+        pin_memory: Optional[bool] = None,
+        persistent_workers: Optional[bool] = None,
+        prefetch_factor: Optional[int] = None,
+        fast_path: bool = True,
+    ):
+        if batch_size < 1:
+            raise ConfigError(f"data.batch_size={batch_size} must be >= 1")
+        if num_workers < 0:
+            raise ConfigError(f"data.num_workers={num_workers} must be >= 0")
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.num_classes = num_classes
+        self.shape = tuple(shape) if shape is not None else None
+        self.pin_memory = pin_memory
+        self.persistent_workers = persistent_workers
+        self.prefetch_factor = prefetch_factor
+        self.fast_path = fast_path
+
+    def load(self) -> tuple[Dataset, ...]:
+        """Return ``(train, val, test)``, or ``(train, val)`` for data without a test split."""
+        raise NotImplementedError
+
+    def loader(
+        self,
+        dataset: Dataset,
+        sampler: Any,
+        *,
+        seed: int,
+        on_gpu: bool,
+        train: bool,
+    ):
+        """A loader over ``sampler``'s indices: :class:`TensorLoader` for transform-free
+        in-memory data, else a ``DataLoader`` with per-rank seeded workers."""
+        if self.fast_path and isinstance(dataset, InMemory) and dataset.transform is None:
+            return TensorLoader(dataset, self.batch_size, sampler)
+        workers = self.num_workers
+        extra: dict[str, Any] = {}
+        if workers > 0:
+            extra["persistent_workers"] = (
+                self.persistent_workers if self.persistent_workers is not None else train
+            )
+            if self.prefetch_factor is not None:
+                extra["prefetch_factor"] = self.prefetch_factor
+        generator = torch.Generator()
+        generator.manual_seed(seed)
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            num_workers=workers,
+            pin_memory=self.pin_memory if self.pin_memory is not None else on_gpu,
+            worker_init_fn=seed_worker,
+            generator=generator,
+            **extra,
+        )
+
+
+def split_indices(n: int, val_fraction: float, test_fraction: float, seed: int,
+                  labels: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A deterministic split of ``range(n)`` into train, val and test indices (stratified by
+    ``labels`` when given); every index lands in exactly one part."""
+    for name, frac in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
+        if not 0.0 <= frac < 1.0:
+            raise ConfigError(f"data.{name}={frac} must be in [0, 1)")
+    if val_fraction <= 0 or val_fraction + test_fraction >= 1.0:
+        raise ConfigError(
+            f"data.val_fraction={val_fraction} and data.test_fraction={test_fraction}: "
+            "validation needs a share above 0, and both together must leave data to train on"
+        )
+    rest, test = np.arange(n), np.arange(0)
+    if test_fraction > 0:
+        rest, test = _two_way(rest, test_fraction, seed, labels)
+    sub = None if labels is None else labels[rest]
+    train, val = _two_way(rest, val_fraction / (1.0 - test_fraction), seed, sub)
+    return np.sort(train), np.sort(val), np.sort(test)
+
+
+def _two_way(index: np.ndarray, fraction: float, seed: int, labels: Optional[np.ndarray]):
+    """``index`` cut into (kept, held out) with ``fraction`` held out, stratified where every
+    class can give a sample to both parts (small or skewed data falls back to a plain shuffle,
+    where scikit-learn would refuse)."""
+    from sklearn.model_selection import train_test_split
+
+    held = int(np.ceil(fraction * len(index)))
+    if len(index) < 2 or held < 1 or held >= len(index):
+        raise ConfigError(
+            f"a {fraction:.3g} share of {len(index)} samples leaves a part empty; "
+            "use larger data or a different data.val_fraction/test_fraction"
+        )
+    if labels is not None:
+        _, counts = np.unique(labels, return_counts=True)
+        if counts.min() < 2 or held < len(counts) or len(index) - held < len(counts):
+            labels = None
+    return train_test_split(index, test_size=held, random_state=seed, stratify=labels)

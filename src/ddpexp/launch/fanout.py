@@ -1,0 +1,487 @@
+"""Fan-out of one run: decide the workers, start them on torch elastic, report the outcome.
+
+This is the one path every run takes, with or without ``-m``: the task function calls
+:func:`run`, which runs the worker in this process (one worker, no restarts), hands the
+workers to torch elastic's agent (several workers, restarts, several nodes), or becomes one rank
+of a SLURM job step. Workers receive the resolved config and the run dir chosen here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shlex
+import shutil
+import signal
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.types import RunMode
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from ddpexp import errors
+from ddpexp.launch import slurm
+from ddpexp.config.cli import command_line_override, env_flag
+from ddpexp.config.schema import to_plain
+from ddpexp.config.validate import validate
+from ddpexp.errors import ConfigError, DdpexpError, RunDiverged, RunFailed, RunInterrupted
+from ddpexp.launch.failures import guard_run
+from ddpexp.config.monitor import fill_monitor
+from ddpexp.record import record_failure, record_wall_time, run_started
+from ddpexp.launch.resources import check_resources, oom_kills
+from ddpexp.training.signals import stop_signals
+from ddpexp.launch.watchdog import Watchdog
+
+log = logging.getLogger("ddpexp")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a run is laid out: the strategy and the workers per node and in all."""
+
+    strategy: str
+    procs: int
+    nodes: int
+    gpus: int
+
+    @property
+    def world_size(self) -> int:
+        return self.procs * self.nodes
+
+
+def plan_run(trainer: Any, visible_gpus: Optional[int] = None) -> Plan:
+    """Resolve ``strategy=auto`` and ``procs=null`` and reject layouts that cannot run."""
+    gpus, nodes = int(trainer.gpus), int(trainer.nodes)
+    strategy = getattr(trainer.strategy, "value", str(trainer.strategy))
+    if gpus > 0:
+        if visible_gpus is None:
+            import torch
+
+            visible_gpus = torch.cuda.device_count()
+        if gpus > visible_gpus:
+            shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+            where = f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""
+            fix = f"trainer.gpus={visible_gpus}" if visible_gpus else "trainer.gpus=0 to train on the CPU"
+            raise ConfigError(
+                f"trainer.gpus={gpus} but {visible_gpus} GPU(s) are visible{where}. "
+                f"Use {fix}" + (", or trainer.gpus=0 for the CPU" if visible_gpus else "") + "."
+            )
+    procs = trainer.procs
+    if strategy == "dp":
+        if procs not in (None, 1) or nodes != 1:
+            raise ConfigError(
+                "trainer.strategy=dp is one process on one node (nn.DataParallel over "
+                f"trainer.gpus); got trainer.procs={procs}, trainer.nodes={nodes}. "
+                "Use trainer.strategy=ddp for several processes."
+            )
+        return Plan("dp", 1, 1, gpus)
+    if procs is None:
+        procs = gpus if gpus > 0 else 1
+    if gpus > 0 and procs != gpus:
+        raise ConfigError(
+            f"trainer.procs={procs} with trainer.gpus={gpus}: on GPUs there is one worker per GPU; "
+            "leave trainer.procs unset"
+        )
+    world = procs * nodes
+    if strategy == "single" and world > 1:
+        raise ConfigError(
+            f"trainer.strategy=single runs one process, but trainer.procs x trainer.nodes = {world}; "
+            "use trainer.strategy=ddp (or auto)"
+        )
+    if strategy == "auto":
+        strategy = "ddp" if world > 1 else "single"
+    return Plan(strategy, procs, nodes, gpus)
+
+
+def overrides_as_hparams(overrides: list[str]) -> dict[str, Any]:
+    """``["optimizer.lr=0.1", "model=mlp"]`` -> ``{"optimizer.lr": 0.1, "model": "mlp"}``: the
+    hyperparameters a sweep varies, as TensorBoard's HParams dashboard shows them."""
+    out: dict[str, Any] = {}
+    for o in OverridesParser.create().parse_overrides(overrides):
+        key = o.get_key_element().lstrip("+~")
+        if key in ("resume",) or key.startswith("hydra"):
+            continue
+        value = o.value()
+        out[key] = value if isinstance(value, (bool, int, float, str)) else o.get_value_element_as_str()
+    return out
+
+
+@guard_run
+def run(cfg: DictConfig) -> Optional[float]:
+    """The task function's body: run one experiment and return its monitored metric."""
+    # torch and the trainer: imported by a run, not by every importer of this module.
+    from ddpexp.checkpoint import io as checkpoint
+    from ddpexp.launch.worker import WorkerPayload
+
+    started = run_started()
+    validate(cfg)
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    from_slurm = slurm.step_ranks()
+    if from_slurm and slurm.rank() > 0:
+        # A task of a submitit job with several tasks runs this too; rank 0 speaks for all.
+        log.setLevel(logging.WARNING)
+    plan = _slurm_plan(cfg.trainer) if from_slurm else plan_run(cfg.trainer)
+    check_resources(plan)
+    try:
+        plain = to_plain(cfg)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"the config does not resolve: {exc}") from None
+    plain["trainer"].update(strategy=plan.strategy, procs=plan.procs)
+    check_parts(plain, run_dir)
+    fill_monitor(plain)
+    resume = checkpoint.find(cfg.resume, run_dir, base=Path(hydra_cfg.runtime.cwd))
+    if resume is None and cfg.resume is None and under_submitit():
+        # A submitit job requeued after SLURM's pre-timeout signal runs again in its own job
+        # dir with the same overrides: the checkpoint it saved there is where it continues.
+        last = checkpoint.newest_last(run_dir / "checkpoints")
+        if last is not None:
+            log.info("requeued submitit job: continuing %s", last)
+            resume = last
+    if resume is not None:
+        checkpoint.verify(resume)
+    payload = WorkerPayload(
+        config=plain,
+        run_dir=str(run_dir),
+        log_file=str(run_dir / f"{hydra_cfg.job.name}.log"),
+        resume_from=str(resume) if resume else None,
+        hparams=overrides_as_hparams(list(hydra_cfg.overrides.task)),
+    )
+    log.info("run dir: %s", run_dir)
+    log.info("%d worker(s)%s: strategy=%s, %s", plan.world_size,
+             " (SLURM tasks)" if from_slurm else "", plan.strategy,
+             f"{plan.gpus} GPU(s) per node" if plan.gpus else "CPU")
+    if resume is None and cfg.resume == "auto":
+        log.info("resume=auto: no checkpoint in %s, starting from scratch", run_dir / "checkpoints")
+    preempt = Preemption()
+    try:
+        result = dispatch(plan, cfg, payload)
+    except RunInterrupted as exc:
+        record_failure(run_dir, exc, started)
+        preempt.requeue(exc.signal)
+        raise
+    except DdpexpError as exc:
+        record_failure(run_dir, exc, started)
+        raise
+    if result is None:  # not global rank 0 of a SLURM step
+        return None
+    record_wall_time(run_dir, result, started)
+    if result["status"] == "interrupted":
+        by = result.get("stopped_by")
+        preempt.requeue(by)
+        raise RunInterrupted((f"stopped by {by}; " if by else "") + _resume_hint(run_dir, hydra_cfg),
+                             signal=by)
+    if result["status"] == "diverged":
+        return _diverged(result, hydra_cfg)
+    best = result["best"].get(result["monitor"])
+    tested = {k: v for k, v in result.get("test", {}).items() if k.startswith("test/")}
+    log.info("%s: %d epochs, %d steps, best %s %s%s; run dir %s", result["status"],
+             result["epochs"], result["steps"], result["monitor"],
+             "n/a" if best is None else f"{best:.4f}",
+             "".join(f", {k} {v:.4f}" for k, v in tested.items()), run_dir)
+    return best  # selection is on validation only: the test metrics are never returned
+
+
+def check_parts(plain: dict, run_dir: Path) -> None:
+    """Refuse a bad ``callbacks`` or ``logger`` entry (no ``_target_``, one that does not
+    import, a class of the wrong kind) with one message, before any worker starts; then let
+    each logger prepare its store (an MLflow database's schema, say)."""
+    from ddpexp.config import components
+    from ddpexp.callbacks import Callback
+    from ddpexp.loggers import outputs_root, prepare_loggers
+
+    components.check("callbacks", plain.get("callbacks"), Callback)
+    prepare_loggers(plain.get("logger") or {}, outputs_root(run_dir))
+
+
+def _diverged(result: dict, hydra_cfg: Any) -> float:
+    """A run whose training loss went non-finite: on its own it fails with the trainer's
+    message; as a sweep job it returns the worst value for the monitored direction, so that
+    a sweeper can rank it and the sweep goes on (its row says ``diverged``)."""
+    message = result.get("error") or "training diverged"
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        raise RunDiverged(message)
+    log.error("%s", message)
+    return float("-inf") if result.get("monitor_mode") == "max" else float("inf")
+
+
+def under_submitit() -> bool:
+    """Whether this process is a submitit job (Hydra's submitit_local/submitit_slurm)."""
+    return any(key.startswith("SUBMITIT_") for key in os.environ)
+
+
+class Preemption:
+    """SLURM's pre-timeout signal under submitit: submitit's handler for it requeues the job
+    (and exits). ddpexp's workers take that signal first, to checkpoint; once they have, the
+    handler that was installed before the run is called, so that the requeue still happens."""
+
+    def __init__(self) -> None:
+        self.handlers = {sig.name: signal.getsignal(sig) for sig in stop_signals()
+                         if sig not in (signal.SIGTERM, signal.SIGINT)}
+
+    def requeue(self, signal_name: Optional[str]) -> None:
+        """Hand ``signal_name`` on to the pre-run handler if it is a pre-timeout signal that
+        a Python handler (submitit's) was waiting for; that handler usually exits."""
+        handler = self.handlers.get(signal_name or "")
+        if callable(handler):
+            log.warning("%s: checkpoint saved; handing the signal to submitit to requeue the job",
+                        signal_name)
+            handler(getattr(signal, signal_name), None)
+
+
+def dispatch(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
+    """Run ``payload`` as ``plan`` says: in this process, under torch elastic, or as this
+    SLURM task's rank; global rank 0 gets the worker's result. Training runs and
+    ``ddpexp.eval`` both come through here."""
+    from ddpexp.launch.worker import run_worker
+
+    if slurm.step_ranks():
+        step = slurm.current()
+        if step.rank == 0:
+            step.publish(payload)
+        return slurm.run_rank(step, payload)
+    if plan.world_size == 1 and cfg.trainer.max_restarts == 0:
+        payload.in_process = True
+        # No elastic agent: this process is the worker, so it takes SIGTERM/SIGINT itself.
+        return run_worker.__wrapped__(payload)
+    return _elastic(plan, cfg, payload)
+
+
+def _slurm_plan(trainer: Any) -> Plan:
+    """SLURM started one task per rank: the world is its tasks, DDP (or FSDP) across them.
+    A ``trainer.procs`` or ``trainer.gpus`` that asks for another number of workers per node
+    than the step has tasks is refused: SLURM, not ddpexp, decides how many there are."""
+    strategy = getattr(trainer.strategy, "value", str(trainer.strategy))
+    ntasks, per_node = slurm.world_size(), slurm.tasks_per_node()
+    if strategy not in ("auto", "ddp", "fsdp"):
+        raise ConfigError(
+            f"trainer.strategy={strategy} cannot span the {ntasks} tasks of this SLURM step; use "
+            "trainer.strategy=ddp or fsdp (or run one task)"
+        )
+    gpus, procs = int(trainer.gpus), trainer.procs
+    srun = f"srun --ntasks-per-node={per_node}"
+    if procs is not None and int(procs) != per_node:
+        raise ConfigError(
+            f"trainer.procs={procs}, but this SLURM step has {per_node} task(s) per node, each one "
+            f"rank ({srun}): leave trainer.procs unset, or start {procs} tasks per node "
+            f"(srun --ntasks-per-node={procs})"
+        )
+    if gpus > 0 and gpus != per_node:
+        raise ConfigError(
+            f"trainer.gpus={gpus}, but this SLURM step has {per_node} task(s) per node ({srun}), "
+            f"one per GPU: use srun --ntasks-per-node={gpus}, or trainer.gpus={per_node}"
+        )
+    return Plan("fsdp" if strategy == "fsdp" else "ddp", per_node, slurm.nodes(), gpus)
+
+
+def _elastic(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
+    """Start the workers under torch elastic's agent and wait for them.
+
+    One node: a c10d rendezvous on a loopback port picked now (a concrete port, so restart
+    rounds re-form the group). Several nodes: the user's ``rdzv_endpoint``, shared by all.
+    """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from ddpexp.strategies.dist import free_port
+    from ddpexp.launch.worker import EXIT_INTERRUPTED, run_worker
+
+    t = cfg.trainer
+    # torch elastic keeps its per-run error files here; removed when the run ends (left to
+    # itself it leaves an empty /tmp/torchelastic_* dir behind per run).
+    elastic_dir = Path(tempfile.mkdtemp(prefix="ddpexp-elastic-"))
+    env_keys = {}
+    if plan.nodes == 1:
+        endpoint, local_addr = f"127.0.0.1:{free_port()}", "127.0.0.1"
+        run_id = uuid.uuid4().hex
+        # Keep the workers' own sockets on loopback too.
+        env_keys = {"GLOO_SOCKET_IFNAME": "lo"} if plan.gpus == 0 else {"NCCL_SOCKET_IFNAME": "lo"}
+    else:
+        endpoint, local_addr = str(t.rdzv_endpoint), None
+        run_id = "ddpexp-" + endpoint.replace(":", "-")
+    for key, value in env_keys.items():
+        os.environ.setdefault(key, value)
+    # The agent logs each failed worker's traceback; the run's own message names the rank and
+    # the cause, and the traceback is in the run's log (or shown with HYDRA_FULL_ERROR=1).
+    quiet = logging.WARNING if env_flag("HYDRA_FULL_ERROR") else logging.CRITICAL
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
+        logging.getLogger(name).setLevel(quiet)
+    config = LaunchConfig(
+        min_nodes=plan.nodes,
+        max_nodes=plan.nodes,
+        nproc_per_node=plan.procs,
+        run_id=run_id,
+        role="ddpexp",
+        rdzv_endpoint=endpoint,
+        rdzv_backend="c10d",
+        rdzv_configs={"timeout": int(t.rdzv_timeout_s)},
+        max_restarts=int(t.max_restarts),
+        monitor_interval=0.1,
+        # CPU workers are forked from this process, which has imported torch, Hydra and
+        # ddpexp already, so no worker imports them again (scripts/bench.py: 20-25% less CPU
+        # for a short 2-worker run, and a smaller largest process). GPU workers are spawned:
+        # a child forked after its parent touched CUDA cannot use CUDA.
+        start_method="fork" if plan.gpus == 0 else "spawn",
+        local_addr=local_addr,
+        logs_specs=DefaultLogsSpecs(log_dir=str(elastic_dir)),
+        shutdown_timeout=int(t.shutdown_grace_s),
+        # The agent forwards these to the workers, which stop at a step boundary, checkpoint
+        # and exit; it SIGKILLs those still running after shutdown_timeout.
+        signals_to_handle=",".join(sig.name for sig in stop_signals()) + ",SIGHUP,SIGQUIT",
+    )
+    # The agent replaces these handlers and never puts them back.
+    saved = {sig: signal.getsignal(sig) for sig in (*stop_signals(), signal.SIGHUP, signal.SIGQUIT)}
+    watchdog = Watchdog(plan.procs, float(t.dist_timeout_s), payload.log_file)
+    oom_before = oom_kills()
+    try:
+        with watchdog:
+            results = elastic_launch(config, run_worker)(payload)
+    except ChildFailedError as exc:
+        if watchdog.message:
+            raise RunFailed(watchdog.message) from None
+        if all(f.exitcode == EXIT_INTERRUPTED for f in exc.failures.values()):
+            raise RunInterrupted(_resume_hint(Path(payload.run_dir), None)) from None
+        raise RunFailed(_describe_failure(
+            exc, oom_before, payload.log_file,
+            range(plan.procs) if plan.nodes == 1 else ())) from None
+    except SignalException as exc:
+        raise RunInterrupted(
+            f"stopped by {exc.sigval.name}; " + _resume_hint(Path(payload.run_dir), None),
+            signal=exc.sigval.name,
+        ) from None
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        shutil.rmtree(elastic_dir, ignore_errors=True)
+    if watchdog.message:  # a stall the group recovered from by a restart
+        log.warning("%s", watchdog.message)
+    return results.get(0)
+
+
+def _describe_failure(exc: Any, oom_kills_before: Optional[int] = None,
+                      log_file: Optional[str] = None, ranks: Any = ()) -> str:
+    """One message naming each failed rank and its cause (the first line of its error).
+    A mistake every failed rank reports alike (a ddpexp error, such as a shape check on the
+    first batch) is said once, as it is.
+
+    The agent reports the ranks it saw fail first, which can be a rank whose collective broke
+    because the real culprit had just closed its sockets. Every rank that raised has written
+    its traceback into the run's log, so ranks the agent missed are added from there, and
+    causes of their own come before lost connections. A rank of ``ranks`` (this node's) that
+    neither the agent nor the log names, while the others only lost their connection, died
+    without a Python error: a signal killed it."""
+    same = {_own_error(f) for f in exc.failures.values()}
+    if len(same) == 1 and None not in same:
+        return same.pop()  # type: ignore[return-value]
+    oom = oom_kills_before is not None and (oom_kills() or 0) > oom_kills_before
+    lines = []
+    for rank, failure in sorted(exc.failures.items()):
+        cause = _cause(failure)
+        if cause == "was killed by SIGKILL":
+            cause += (" from the kernel's out-of-memory killer: memory ran out (use fewer "
+                      "trainer.procs, a smaller data.batch_size or model)" if oom else
+                      " (by another process, or by the kernel when memory ran out)")
+        lines.append(f"rank {rank} (pid {failure.pid}) {cause}")
+    for rank, (pid, last) in sorted(_logged_failures(log_file).items()):
+        if rank not in exc.failures:
+            lines.append(f"rank {rank} (pid {pid}) raised {last}")
+    lost = [any(k in line for k in _PEER_LOST) for line in lines]
+    if lines and all(lost):
+        named = set(exc.failures) | set(_logged_failures(log_file))
+        for rank in sorted(set(ranks) - named):
+            lines.append(f"rank {rank} was killed by a signal without a Python error (SIGKILL "
+                         + ("from the kernel's out-of-memory killer)" if oom else
+                            "from another process, or the kernel when memory ran out)"))
+        lost = [any(k in line for k in _PEER_LOST) for line in lines]
+    if not all(lost):  # the ranks that lost a peer only echo the others' failure
+        lines = [line for line, echo in zip(lines, lost) if not echo] + [
+            line.split(" raised ")[0] + " lost its connection to the failed rank(s)"
+            for line, echo in zip(lines, lost) if echo]
+    head = "a worker failed, so the whole run was stopped:" if len(lines) == 1 else \
+        f"{len(lines)} workers failed, so the whole run was stopped:"
+    text = head + "\n  " + "\n  ".join(lines)
+    if any("Timed out" in line or "timed out" in line for line in lines):
+        text += (
+            "\n(a collective waited longer than trainer.dist_timeout_s: another rank stalled, "
+            "e.g. stuck in data loading or a deadlock, or skipped a collective)"
+        )
+    return text
+
+
+# What a rank's collective says when another rank went away: a consequence, not a cause.
+_PEER_LOST = slurm.PEER_LOST
+
+
+def _logged_failures(log_file: Optional[str]) -> dict[int, tuple[str, str]]:
+    """``{rank: (pid, last line of its traceback)}`` for each ``[rankN] worker failed (pid
+    P):`` entry that the workers wrote into the run's log."""
+    try:
+        text = Path(log_file).read_text(errors="replace") if log_file else ""
+    except OSError:
+        return {}
+    found = {}
+    pattern = r"^\[rank(\d+)\] worker failed \(pid (\d+)\):\n(Traceback.*?)(?=^\[|\Z)"
+    for match in re.finditer(pattern, text, flags=re.S | re.M):
+        tail = [line for line in match.group(3).splitlines() if line.strip()]
+        if tail:
+            found[int(match.group(1))] = (match.group(2), tail[-1].strip())
+    return found
+
+
+def _own_error(failure: Any) -> Optional[str]:
+    """The message of a ddpexp error (ConfigError, CheckpointError, ...) a rank raised."""
+    data = failure.error_file_data
+    message = data.get("message") if isinstance(data, dict) else None
+    text = str(message.get("message", "")) if isinstance(message, dict) else ""
+    name, _, rest = text.partition(": ")
+    cls = getattr(errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, errors.DdpexpError) and rest:
+        return rest
+    return None
+
+
+def _cause(failure: Any) -> str:
+    data = failure.error_file_data
+    message = data.get("message") if isinstance(data, dict) else None
+    if isinstance(message, dict):
+        text = str(message.get("message", "")).strip()
+        if text:
+            return "raised " + text.splitlines()[-1] if "Traceback" in text else "raised " + text
+    if failure.exitcode < 0:
+        try:
+            name = signal.Signals(-failure.exitcode).name
+        except ValueError:
+            name = f"signal {-failure.exitcode}"
+        return f"was killed by {name}"
+    return f"exited with code {failure.exitcode}"
+
+
+def _resume_hint(run_dir: Path, hydra_cfg: Any) -> str:
+    """How to continue: the same command line with ``resume=<run dir>``."""
+    if hydra_cfg is None and HydraConfig.initialized():
+        hydra_cfg = HydraConfig.get()
+    overrides = list(hydra_cfg.overrides.task) if hydra_cfg is not None else []
+    kept = [o for o in overrides if not o.split("=", 1)[0].lstrip("+~") in ("resume", "hydra.run.dir")]
+    args = " ".join([command_line_override("resume", run_dir), *map(shlex.quote, kept)])
+    return (
+        f"the last checkpoint is in {run_dir}/checkpoints. Continue it with:\n"
+        f"  {_srun_prefix()}python -m ddpexp {args}"
+    )
+
+
+def _srun_prefix() -> str:
+    """``srun --nodes=N --ntasks-per-node=T `` when SLURM started the ranks: the resumed run
+    needs the same tasks (inside an allocation, or as a job of its own)."""
+    if not slurm.step_ranks():
+        return ""
+    nodes = f"--nodes={slurm.nodes()} " if slurm.nodes() > 1 else ""
+    return f"srun {nodes}--ntasks-per-node={slurm.tasks_per_node()} "

@@ -1,0 +1,136 @@
+"""What each worker process runs: logging, threads, process group, the trainer, teardown.
+
+A worker gets the resolved config in a :class:`WorkerPayload`; it never re-enters Hydra or
+looks at ``sys.argv``, which is what keeps every rank in the one run dir the parent chose.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from ddpexp.strategies import dist as ddist
+from ddpexp.launch import proc
+from ddpexp.checkpoint.io import newest_last
+from ddpexp.launch.failures import explain_os_error
+from ddpexp.training.trainer import Trainer
+
+log = logging.getLogger("ddpexp")
+
+# The exit status of a worker that stopped on a signal after its checkpoint (EX_TEMPFAIL).
+EXIT_INTERRUPTED = 75
+
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s]{rank} - %(message)s"
+
+
+@dataclass
+class WorkerPayload:
+    """Everything a worker needs, picklable: the resolved config and where to write."""
+
+    config: dict
+    run_dir: str
+    log_file: str
+    resume_from: Optional[str] = None
+    hparams: dict = field(default_factory=dict)
+    in_process: bool = False
+    # ddpexp.eval: evaluate this checkpoint on this split instead of training.
+    eval_checkpoint: Optional[str] = None
+    eval_split: str = "test"
+
+
+def setup_logging(rank: int, log_file: str) -> None:
+    """Rank 0 logs INFO to stderr and the run's log; the other ranks only their warnings and
+    errors, tagged with their rank, so that a failing rank is seen without the noise."""
+    tag = "" if rank == 0 else f"[rank{rank}]"
+    formatter = logging.Formatter(LOG_FORMAT.format(rank=tag))
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    level = logging.INFO if rank == 0 else logging.WARNING
+    console = logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)  # as Hydra does
+    for handler in (console, logging.FileHandler(log_file, mode="a")):
+        handler.setFormatter(formatter)
+        handler.setLevel(level)
+        root.addHandler(handler)
+    root.setLevel(level)
+    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+
+
+def set_threads(local_world_size: int) -> None:
+    """Split this process's cores (its affinity mask: a sweep slice, a cgroup) evenly
+    between the workers of this node, so that workers do not oversubscribe the CPU."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (cores or 1) // max(1, local_world_size)))
+
+
+@record
+def run_worker(payload: WorkerPayload, store: Optional[dist.Store] = None) -> Optional[dict]:
+    """Train (or, for ddpexp.eval, evaluate a checkpoint) as one rank; global rank 0 returns
+    the run's metrics, the others ``None``. ``store``: one the ranks share already (a SLURM
+    step's), for the process group."""
+    cfg = payload.config
+    trainer_cfg = cfg["trainer"]
+    ctx = ddist.context_from_env(trainer_cfg["gpus"])
+    if not payload.in_process:
+        setup_logging(ctx.rank, payload.log_file)
+    set_threads(ctx.local_world_size)
+    resume_from = payload.resume_from
+    if ctx.restart > 0:
+        last = newest_last(Path(payload.run_dir) / "checkpoints")
+        resume_from = str(last) if last is not None else resume_from
+        if ctx.is_main:
+            log.warning("restart %d of the worker group: resuming from %s", ctx.restart,
+                        resume_from or "scratch (no checkpoint yet)")
+    ddist.init_process_group(ctx, trainer_cfg["dist_timeout_s"],
+                             force=trainer_cfg["strategy"] in ("ddp", "fsdp"), store=store)
+    try:
+        trainer = Trainer.from_config(cfg, ctx, Path(payload.run_dir), payload.hparams)
+        if payload.eval_checkpoint is not None:
+            result = trainer.evaluate_checkpoint(Path(payload.eval_checkpoint), payload.eval_split)
+            interrupted = False
+        else:
+            result = trainer.fit(Path(resume_from) if resume_from else None)
+            interrupted = result["status"] == "interrupted"
+        if interrupted and ctx.world_size > 1:
+            dist.barrier()  # rank 0 has written metrics.json: nobody exits before that
+    except OSError as exc:  # an unreadable data.root, a full disk: one message, not errno
+        _log_traceback(payload.log_file, ctx.rank)
+        raise explain_os_error(exc, cfg["data"].get("root"), payload.run_dir) from None
+    except Exception:
+        _log_traceback(payload.log_file, ctx.rank)
+        raise
+    finally:
+        ddist.destroy_process_group()
+    if interrupted and "TORCHELASTIC_RUN_ID" in os.environ:
+        # torch elastic's worker wrapper would now wait for the agent to collect the return
+        # value, but an agent shutting down on a signal never does: it would wait
+        # trainer.shutdown_grace_s and then SIGKILL. The checkpoint is on disk: exit now,
+        # with a code the launcher reads as "interrupted" should the agent not be stopping.
+        logging.shutdown()
+        raise SystemExit(EXIT_INTERRUPTED)
+    if not payload.in_process and "TORCHELASTIC_RUN_ID" in os.environ:
+        # An elastic worker that succeeded: torch elastic hands the result to the agent
+        # before the process ends, and the agent then waits for the process to exit, so
+        # skipping the interpreter teardown (1-2 s with torch loaded) shortens every run.
+        atexit.register(proc.exit_now, 0)
+    return result if ctx.is_main else None
+
+
+def _log_traceback(log_file: str, rank: int) -> None:
+    """The full traceback goes to the run's log file; the terminal gets one line per failed
+    rank from the parent (and the traceback only with HYDRA_FULL_ERROR=1)."""
+    try:
+        with open(log_file, "a") as f:
+            f.write(f"[rank{rank}] worker failed (pid {os.getpid()}):\n{traceback.format_exc()}")
+    except OSError:
+        pass

@@ -1,0 +1,115 @@
+"""One sweep job in its own process: ``python -m ddpexp.sweep.job SPEC RESULT``.
+
+The parent (``_core``) writes SPEC: first a plain pickle ``{"sys_path", "cores"}`` (read before
+anything else is imported, so the CPU affinity is set before torch or OpenMP start threads),
+then a cloudpickle of the task function, the job's sweep config, the Hydra context and
+Hydra's Singleton state (config store, resolvers), as Hydra's submitit launcher does. This
+process restores that state, runs the job with Hydra's ``run_job`` and writes its
+``JobReturn`` to RESULT. The task function fans out its own workers from here (ddpexp: on
+torch elastic); they inherit this process's affinity, thread variables and visible GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import traceback
+from typing import Any
+
+log_name = "hydra_plugins.ddpexp_launcher"
+
+
+class _Announced:
+    """Wraps the task function: logs where the job runs (into the job's own log, which
+    Hydra has configured by then), then calls it."""
+
+    def __init__(self, task_function: Any, num: Any) -> None:
+        self.task_function = task_function
+        self.num = num
+
+    def __call__(self, cfg: Any) -> Any:
+        import logging
+
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        logging.getLogger(log_name).info(
+            "job %s: pid %d, cores %s, OMP_NUM_THREADS=%s, CUDA_VISIBLE_DEVICES=%s",
+            self.num, os.getpid(), ",".join(map(str, cores)) or "all",
+            os.environ.get("OMP_NUM_THREADS", "unset"),
+            os.environ.get("CUDA_VISIBLE_DEVICES", "unset"),
+        )
+        return self.task_function(cfg)
+
+
+def _portable(ret: Any) -> bytes:
+    """The JobReturn, cloudpickled; a return value or exception that cannot be pickled is
+    replaced by a description, so the parent always learns the job's outcome."""
+    import cloudpickle
+
+    try:
+        return cloudpickle.dumps(ret)
+    except Exception:  # noqa: BLE001 - any pickling failure has the same remedy
+        value = ret._return_value
+        if isinstance(value, BaseException):
+            ret._return_value = RuntimeError(
+                "".join(traceback.format_exception_only(type(value), value)).strip()
+            )
+        else:
+            ret._return_value = repr(value)
+        return cloudpickle.dumps(ret)
+
+
+def main(spec_path: str, result_path: str) -> int:
+    """Run the job described in ``spec_path``; write its JobReturn to ``result_path``."""
+    with open(spec_path, "rb") as f:
+        head = pickle.load(f)
+        # The parent's import path: task functions of scripts and test modules unpickle here.
+        sys.path[:0] = [p for p in head["sys_path"] if p not in sys.path]
+        if head["cores"] and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, head["cores"])
+        import cloudpickle
+
+        spec = cloudpickle.load(f)
+
+    from hydra.core.singleton import Singleton
+    from hydra.core.utils import JobStatus, run_job, setup_globals
+
+    Singleton.set_state(spec["singleton_state"])
+    setup_globals()
+    config = spec["config"]
+    ret = run_job(
+        hydra_context=spec["hydra_context"],
+        task_function=_Announced(spec["task_function"], config.hydra.job.num),
+        config=config,
+        job_dir_key="hydra.sweep.dir",
+        job_subdir_key="hydra.sweep.subdir",
+    )
+    if ret.status == JobStatus.FAILED and isinstance(ret._return_value, BaseException):
+        exc = ret._return_value
+        from hydra.errors import CompactHydraException
+
+        if not isinstance(exc, CompactHydraException):
+            # The traceback does not survive pickling: keep it in the job's own log.
+            import logging
+
+            logging.getLogger(log_name).error(
+                "job %s failed:\n%s", config.hydra.job.num,
+                "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip())
+    data = _portable(ret)
+    tmp = result_path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, result_path)
+    return 0
+
+
+if __name__ == "__main__":
+    code = main(sys.argv[1], sys.argv[2])
+    # The result is on disk: skip the interpreter teardown, which takes 1-2 s once the job
+    # has loaded torch and which the sweep would wait for once per job.
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,289 @@
+"""The ``optuna_async`` search (Hydra's plugin discovery skips modules starting with ``_``).
+
+An optuna study in ``<sweep dir>/optuna.journal`` (optuna's journal file storage: several
+processes may read and write it, no database server) is driven by ask/tell on the ddp
+launcher's :class:`~ddpexp.sweep.pool.Pool`: whenever a slot is free a trial
+is asked and its job started, and whenever a job ends its trial is told. So ``max_parallel``
+trials run at every moment until ``n_trials`` have been asked. Trial N runs in the sweep's
+job dir N. Each job process gets the trial's identity in its environment
+(:mod:`ddpexp.callbacks.pruning`), so its rank 0 reports every epoch and the pruner can stop it.
+
+A job that completed gives the trial its best monitored value; a run that the pruner stopped
+(``metrics.json`` status ``pruned``) is told PRUNED; a failed or diverged one FAIL, and the
+search goes on (``hydra.launcher.fail_fast`` stops it). A trial cut off by Ctrl-C/SIGTERM
+stays RUNNING in the study: ``resume=auto`` with the same sweep dir runs it again in its dir,
+where ddpexp continues its ``last.pt``, and asks only what ``n_trials`` still lacks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import yaml
+from hydra.core.utils import JobReturn, JobStatus
+from omegaconf import OmegaConf
+
+from ddpexp.sweep import pruning
+from ddpexp.config.cli import command_line_override
+from ddpexp.errors import ConfigError
+from ddpexp.config.monitor import resolve_monitor
+from ddpexp.record import read_metrics_or_empty
+from ddpexp.sweep import pool as sweep_pool
+from hydra_plugins.ddpexp_launcher.ddp_launcher import DdpLauncher
+from ddpexp.sweep import space
+
+log = logging.getLogger("hydra_plugins.ddpexp_optuna_sweeper")
+
+JOURNAL = "optuna.journal"
+RESULTS = "optimization_results.yaml"
+SAMPLERS = ("tpe", "random", "grid")
+DIRECTIONS = ("maximize", "minimize")
+
+
+class SearchStopped(sweep_pool.JobFailed):
+    """The search ended early: a trial failed under ``fail_fast``, or no trial completed."""
+
+
+def run(sweeper: Any, arguments: List[str]) -> Optional[dict]:
+    """Run the search; return the best trial's ``{"params", "value", "number"}`` (None when
+    no trial completed)."""
+    import optuna
+
+    launcher = sweeper.launcher
+    if not isinstance(launcher, DdpLauncher):
+        raise ConfigError("hydra/sweeper=optuna_async starts its trials on ddpexp's launcher: "
+                          f"use hydra/launcher=ddp (this sweep has {type(launcher).__name__})")
+    fixed, space = space.parse(arguments, sweeper.params)
+    if not space:
+        raise ConfigError("hydra/sweeper=optuna_async needs a search space: e.g. "
+                          "'optimizer.lr=tag(log,interval(1e-4,1e-1))' or "
+                          "'data.batch_size=choice(32,64,128)' (or hydra.sweeper.params)")
+    config = sweeper.config
+    sweep_dir = sweep_pool.begin(launcher)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = _open_study(sweeper, config, sweep_dir, space)
+    search = _Search(sweeper, study, fixed, space, sweep_dir)
+    return search.run()
+
+
+def _monitored(config: Any) -> tuple:
+    """``(trainer.monitor, trainer.monitor_mode)``, the task's own where they are null."""
+    return resolve_monitor(str(OmegaConf.select(config, "task._target_")),
+                           OmegaConf.select(config, "trainer.monitor", default=None),
+                           OmegaConf.select(config, "trainer.monitor_mode", default=None))
+
+
+def _direction(sweeper: Any, config: Any) -> str:
+    """``hydra.sweeper.direction``, or what the monitored metric's mode implies."""
+    direction = sweeper.direction
+    if direction is None:
+        return "maximize" if _monitored(config)[1] == "max" else "minimize"
+    direction = str(direction).lower()
+    if direction not in DIRECTIONS:
+        raise ConfigError(f"hydra.sweeper.direction={direction} is not one of "
+                          f"{', '.join(DIRECTIONS)} (or null: from trainer.monitor_mode)")
+    return direction
+
+
+def _sampler(spec: Dict[str, Any], space: Dict[str, Any]) -> Any:
+    import optuna
+
+    name = str(spec.get("name", "tpe")).lower()
+    seed = spec.get("seed")
+    if name == "tpe":
+        # constant_liar: trials still running count as (pessimistic) results, so parallel
+        # trials are not all asked near the same point.
+        return optuna.samplers.TPESampler(seed=seed, constant_liar=True)
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if name == "grid":
+        return optuna.samplers.GridSampler(space.grid(space), seed=seed)
+    raise ConfigError(f"hydra.sweeper.sampler.name={name} is not one of {', '.join(SAMPLERS)}")
+
+
+def _open_study(sweeper: Any, config: Any, sweep_dir: Path, space: Dict[str, Any]) -> Any:
+    """The study in the sweep dir: created, or (``resume=auto``) loaded. An existing study
+    without ``resume=auto`` is refused, so that a second search never mixes into it."""
+    import optuna
+
+    journal = sweep_dir / JOURNAL
+    storage = pruning.journal_storage(str(journal))
+    name = str(sweeper.study_name)
+    direction = _direction(sweeper, config)
+    exists = name in optuna.get_all_study_names(storage)
+    resume = OmegaConf.select(config, "resume", default=None) == "auto"
+    if exists and not resume:
+        raise ConfigError(f"{journal} already holds the study {name!r}: add resume=auto to "
+                          "continue it, or give another hydra.sweep.dir (or "
+                          "hydra.sweeper.study_name)")
+    study = optuna.create_study(study_name=name, storage=storage, direction=direction,
+                                sampler=_sampler(sweeper.sampler, space),
+                                pruner=pruning.build_pruner(sweeper.pruner), load_if_exists=True)
+    if study.direction.name.lower() != direction:
+        raise ConfigError(f"the study {name!r} in {journal} was started to "
+                          f"{study.direction.name.lower()}, not to {direction}: resume it with "
+                          f"hydra.sweeper.direction={study.direction.name.lower()}")
+    return study
+
+
+class _Search:
+    """One invocation of the search: resume what was cut off, ask until ``n_trials``, tell."""
+
+    def __init__(self, sweeper: Any, study: Any, fixed: List[str], space: Dict[str, Any],
+                 sweep_dir: Path) -> None:
+        self.sweeper, self.study, self.fixed, self.space = sweeper, study, fixed, space
+        self.launcher = sweeper.launcher
+        self.sweep_dir = sweep_dir
+        self.jobs: List[sweep_pool.Job] = []
+        self.failed = False
+        self.monitor = _monitored(sweeper.config)[0]
+        self.cut_off: List[Any] = []  # trials RUNNING in the study when this search started
+        self.to_ask = 0
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> Optional[dict]:
+        from optuna.trial import TrialState
+
+        trials = self.study.get_trials(deepcopy=False)
+        self.cut_off = [t for t in trials if t.state == TrialState.RUNNING]
+        done = sum(t.state.is_finished() for t in trials)
+        n_trials = int(self.sweeper.n_trials)
+        if str(self.sweeper.sampler.get("name", "tpe")).lower() == "grid":
+            n_trials = min(n_trials, math.prod(len(v) for v in space.grid(self.space).values()))
+        self.to_ask = max(0, n_trials - done - len(self.cut_off))
+        log.info("optuna_async: study %r in %s: %d trial(s) done before, %d to resume, %d to "
+                 "ask, up to %d at once", self.study.study_name, self.sweep_dir / JOURNAL, done,
+                 len(self.cut_off), self.to_ask, max(1, int(self.launcher.max_parallel)))
+        with sweep_pool.Pool(self.launcher) as pool:
+            waiting = self._fill(pool, None)
+            while pool.running:
+                for job in pool.wait_any():
+                    self._tell(job, pool)
+                waiting = self._fill(pool, waiting)
+        if waiting is not None and not pool.stopped:
+            why = "not run: an earlier trial failed and hydra.launcher.fail_fast=true"
+            waiting.ret = JobReturn(overrides=waiting.overrides, cfg=waiting.config,
+                                          status=JobStatus.FAILED,
+                                          _return_value=sweep_pool.JobSkipped(why))
+            self._tell_state(waiting.idx, "fail", why)
+        sweep_pool.report(self.launcher, self.jobs, self.sweep_dir)
+        best = self._results()
+        if pool.stopped:
+            raise sweep_pool.SweepInterrupted(
+                f"the search was stopped by {pool.stopped}. To continue it, run the same "
+                f"command with: resume=auto {command_line_override('hydra.sweep.dir', self.sweep_dir)}")
+        if self.failed and self.launcher.fail_fast:
+            raise SearchStopped("the search stopped at the first failed trial "
+                                "(hydra.launcher.fail_fast=true); see the failures above")
+        if best is None:
+            raise SearchStopped(f"no trial of the study completed; see {self.sweep_dir}/summary.md "
+                                "and the failures above")
+        return best
+
+    def _fill(self, pool: sweep_pool.Pool, waiting: Optional[sweep_pool.Job]) -> Optional[sweep_pool.Job]:
+        """Start trials while a slot is free and trials remain; return the job that waits
+        for its GPUs, if one does. A trial is asked only when a slot is free for it, so that
+        its time in the study is its time on a slot."""
+        while not pool.stopped and not (self.failed and self.launcher.fail_fast):
+            if waiting is None:
+                waiting = self._next() if pool.free else None
+                if waiting is None:
+                    break
+                if waiting.ret is not None:  # could not compose, or done before
+                    self._tell(waiting, pool)
+                    waiting = None
+                    continue
+            if not pool.start(waiting):
+                break
+            waiting = None
+        return waiting
+
+    def _next(self) -> Optional[sweep_pool.Job]:
+        """The next trial's job: one cut off before first, then newly asked ones until the
+        study holds ``n_trials``; None when none is left."""
+        if self.cut_off:
+            return self._job(self.cut_off.pop(0))
+        if self.to_ask:
+            self.to_ask -= 1
+            return self._job(self.study.ask(self.space))
+        return None
+
+    def _job(self, trial: Any) -> sweep_pool.Job:
+        """The job of ``trial`` (asked now, or cut off before): its parameters as overrides
+        after the fixed ones, job number and dir = the trial's number."""
+        overrides = self.fixed + space.as_overrides(trial.params)
+        job = sweep_pool.prepare(self.launcher, overrides, trial.number, self.sweep_dir)
+        job.env = pruning.trial_env(str(self.sweep_dir / JOURNAL), self.study.study_name,
+                                    trial._trial_id, self.sweeper.pruner)
+        self.jobs.append(job)
+        if job.ret is None and _metrics(job).get("status") == "pruned":
+            # Pruned, but the search was cut off before it was told: tell it now.
+            job.ret = JobReturn(overrides=job.overrides, cfg=job.config,
+                                      status=JobStatus.COMPLETED, _return_value=None)
+        return job
+
+    # ------------------------------------------------------------------ tell
+    def _tell(self, job: sweep_pool.Job, pool: sweep_pool.Pool) -> None:
+        """Tell the study how ``job``'s trial ended (see the module docstring)."""
+        ret = job.ret
+        assert ret is not None
+        status = _metrics(job).get("status")
+        if ret.status != JobStatus.COMPLETED:
+            if pool.stopped:
+                return  # cut off: RUNNING in the study, resumed by resume=auto
+            self.failed = True
+            self._tell_state(job.idx, "fail", sweep_pool.cause_of(ret))
+            return
+        value = ret._return_value
+        if status == "pruned":
+            self._tell_state(job.idx, "pruned", f"after {_metrics(job).get('epochs')} epoch(s)")
+        elif status == "diverged":
+            self._tell_state(job.idx, "fail", "the loss diverged")
+        elif not isinstance(value, (int, float)) or not math.isfinite(value):
+            self._tell_state(job.idx, "fail", f"its monitored value is {value!r}")
+        else:
+            self.study.tell(job.idx, float(value))
+            best = self.study.best_trial
+            log.info("\ttrial %d: %s = %.4f (best so far: %.4f, trial %d)", job.idx,
+                     self.monitor, value, best.value, best.number)
+
+    def _tell_state(self, number: int, state: str, why: str) -> None:
+        from optuna.trial import TrialState
+
+        self.study.tell(number, state=TrialState.PRUNED if state == "pruned" else TrialState.FAIL)
+        log.info("\ttrial %d: %s (%s)", number, "pruned" if state == "pruned" else "failed", why)
+
+    # ------------------------------------------------------------------ results
+    def _results(self) -> Optional[dict]:
+        """Print the best trial and write ``optimization_results.yaml``."""
+        from optuna.trial import TrialState
+
+        trials = self.study.get_trials(deepcopy=False)
+        counts = {s.name.lower(): sum(t.state == s for t in trials)
+                  for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL,
+                            TrialState.RUNNING)}
+        if not counts["complete"]:
+            return None
+        best = self.study.best_trial
+        results = {
+            "name": "optuna_async",
+            "study_name": self.study.study_name,
+            "direction": self.study.direction.name.lower(),
+            "best_trial": best.number,
+            "best_params": dict(best.params),
+            "best_value": best.value,
+            "trials": counts,
+        }
+        (self.sweep_dir / RESULTS).write_text(yaml.safe_dump(results, sort_keys=False))
+        log.info("best of %d trial(s) (%s): trial %d, %s = %.4f\n  %s\n(written to %s)",
+                 len(trials), ", ".join(f"{n} {k}" for k, n in counts.items() if n),
+                 best.number, self.monitor, best.value, " ".join(space.as_overrides(best.params)),
+                 self.sweep_dir / RESULTS)
+        return {"number": best.number, "params": dict(best.params), "value": best.value}
+
+
+def _metrics(job: sweep_pool.Job) -> dict:
+    return read_metrics_or_empty(job.dir) if job.dir is not None else {}

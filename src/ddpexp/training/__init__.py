@@ -1,0 +1,3 @@
+"""The loop of one worker and what it is made of: the trainer, the decisions the ranks take together
+(agreement, divergence), running means and whole-split metrics, the checks of the first batch
+(probe), the loaders of a rank, evaluation of a checkpoint, and the parts a trainer is built from."""

@@ -1,0 +1,96 @@
+"""The data loaders of one rank: its shard of the training split (resumable mid-epoch),
+and unpadded shards of the validation and test splits, so that every evaluated sample counts
+exactly once whatever the world size; and its batches on the device."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+from torch.utils.data import Dataset, Subset
+
+from ddpexp.config.schema import TrainerConfig
+from ddpexp.data.base import DataSource, ResumableDistributedSampler
+from ddpexp.strategies.dist import DistContext, derive_seed
+
+
+@dataclass
+class Loaders:
+    """What :func:`build` makes for one rank."""
+
+    train_sampler: ResumableDistributedSampler
+    train_loader: Any
+    batches_per_epoch: int  # the epoch's length on this rank (limit/overfit applied)
+    rank_train_samples: int  # samples this rank trains on per epoch
+    val_ds: Dataset
+    val_loader: Any
+    test_ds: Optional[Dataset]
+    rank_seed: int
+
+
+def build(t: TrainerConfig, ctx: DistContext, data: DataSource, datasets: Sequence[Dataset],
+          seed: int) -> Loaders:
+    """This rank's loaders of ``datasets`` = (train, val[, test])."""
+    train_ds, val_ds = datasets[0], datasets[1]
+    on_gpu = ctx.device.type == "cuda"
+    overfit = t.overfit_batches
+    sampler = ResumableDistributedSampler(train_ds, num_replicas=ctx.world_size, rank=ctx.rank,
+                                          shuffle=overfit is None, seed=seed, drop_last=False)
+    rank_seed = derive_seed(seed, ctx.rank)
+    train_loader = data.loader(train_ds, sampler, seed=rank_seed, on_gpu=on_gpu, train=True)
+    limit = overfit or t.limit_train_batches
+    batches = len(train_loader) if limit is None else min(limit, len(train_loader))
+    if overfit is not None:
+        # Unshuffled, rank r trains on indices r, r + world, ...: the first batches of all
+        # ranks together are the dataset's first samples, which are validated on.
+        trained = min(len(train_ds), overfit * data.batch_size * ctx.world_size)
+        val_ds = Subset(train_ds, range(trained))
+    return Loaders(
+        train_sampler=sampler, train_loader=train_loader, batches_per_epoch=batches,
+        rank_train_samples=min(len(sampler), batches * data.batch_size),
+        val_ds=val_ds, val_loader=eval_loader(t, ctx, data, val_ds, rank_seed),
+        test_ds=datasets[2] if len(datasets) > 2 else None, rank_seed=rank_seed,
+    )
+
+
+def eval_loader(t: TrainerConfig, ctx: DistContext, data: DataSource, dataset: Dataset,
+                rank_seed: int) -> Any:
+    """This rank's shard of ``dataset``, without padding (``trainer.limit_val_batches``
+    applied)."""
+    shard = range(ctx.rank, len(dataset), ctx.world_size)
+    loader = data.loader(dataset, list(shard), seed=rank_seed, on_gpu=ctx.device.type == "cuda",
+                         train=False)
+    limit = t.limit_val_batches
+    return loader if limit is None else FirstBatches(loader, limit)
+
+
+class FirstBatches:
+    """The first ``limit`` batches of each pass over ``loader`` (trainer.limit_val_batches)."""
+
+    def __init__(self, loader: Any, limit: int):
+        self.loader, self.limit = loader, limit
+
+    def __iter__(self):
+        return itertools.islice(iter(self.loader), self.limit)
+
+    def __len__(self) -> int:
+        return min(self.limit, len(self.loader))
+
+
+def to_device(batch: Any, device: torch.device, memory_format: torch.memory_format) -> Any:
+    """``batch`` (tensors in any nesting of tuples, lists and dicts) on ``device``; 4-d float
+    tensors in channels_last where ``memory_format`` asks for it."""
+    if isinstance(batch, torch.Tensor):
+        if device.type != "cpu":
+            batch = batch.to(device, non_blocking=True)
+        if memory_format is torch.channels_last and batch.dim() == 4 and batch.is_floating_point():
+            batch = batch.contiguous(memory_format=torch.channels_last)
+        return batch
+    if isinstance(batch, Mapping):
+        return type(batch)((k, to_device(v, device, memory_format)) for k, v in batch.items())
+    if isinstance(batch, (list, tuple)):
+        moved = [to_device(v, device, memory_format) for v in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    return batch

@@ -1,0 +1,575 @@
+"""The training loop of one worker: train and validate each epoch, firing the events that
+callbacks act on.
+
+The loop knows no task and no feature. A :class:`ddpexp.task.Task` computes each batch's
+metrics; the trainer weights them by the batch's sample count, back-propagates ``loss`` and
+logs ``train/<name>`` and ``val/<name>`` to the run's loggers. Checkpoints, early stopping,
+the average of the weights, profiling and pruning are callbacks (:mod:`ddpexp.callbacks`),
+TensorBoard and the other outputs are loggers (:mod:`ddpexp.loggers`).
+
+Every rank runs a :class:`Trainer` and every callback; only global rank 0 (``is_main``)
+writes. The hot path keeps metrics on the device and talks to the other ranks only at log
+steps and epoch ends (the agreement points, where a stop signal, a callback's
+:meth:`Trainer.request_stop` and a divergence become every rank's decision), so it costs
+what a hand-written DDP loop costs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import Dataset
+
+from ddpexp import strategies
+from ddpexp.training import evaluation
+from ddpexp.training import loaders
+from ddpexp.training import probe
+from ddpexp.checkpoint import state
+from ddpexp.training.agreement import STOP_STATUSES, Agreement
+from ddpexp.callbacks.base import Callback, Dispatch
+from ddpexp.config.schema import TrainerConfig
+from ddpexp.data.base import DataSource
+from ddpexp.training.divergence import Divergence
+from ddpexp.strategies.dist import DistContext, derive_seed, seed_everything
+from ddpexp.loggers import RunInfo, run_name
+from ddpexp.loggers.collection import Loggers
+from ddpexp.errors import ConfigError
+from ddpexp.training.meters import RunningMeans, means
+from ddpexp.record import FINISHED, write_metrics
+from ddpexp.training.signals import Interrupted
+from ddpexp.training.split_metrics import SplitMetrics
+from ddpexp.task import Task, as_task
+from ddpexp.launch.watchdog import (
+    BACKWARD,
+    DATA,
+    FORWARD,
+    OPTIMIZER,
+    VALIDATION,
+    heartbeat_from_env,
+)
+
+log = logging.getLogger("ddpexp")
+
+
+
+class Trainer:
+    """Trains ``model`` on ``task`` with the data of ``data``; :meth:`from_config` builds all
+    of it from a resolved config, then :meth:`fit` runs."""
+
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        ctx: DistContext,
+        run_dir: Path,
+        *,
+        task: Task,
+        model: nn.Module,
+        data: DataSource,
+        datasets: Sequence[Dataset],
+        optimizer: Callable[..., torch.optim.Optimizer],
+        scheduler: Optional[Callable[..., Any]] = None,
+        seed: int = 0,
+        config: Optional[dict] = None,
+        hparams: Optional[dict] = None,
+        callbacks: Optional[Mapping[str, Callback]] = None,
+        loggers: Optional[Mapping[str, Any]] = None,
+    ):
+        self.t, self.ctx, self.run_dir = cfg, ctx, Path(run_dir)
+        # Where this rank is, for the launching process's stall watchdog (a no-op without one).
+        self.beat = heartbeat_from_env(ctx.local_rank, ctx.restart, ctx.rank)
+        self.task, self.data, self.seed = as_task(task), data, seed
+        self.config = config or {}
+        self.hparams = hparams or {}
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.device = ctx.device
+        self.monitor = cfg.monitor or self.task.monitor
+        self.monitor_mode = cfg.monitor_mode.value if cfg.monitor_mode else self.task.monitor_mode
+        self.loggers = Loggers(loggers or {} if ctx.is_main else {})
+        if cfg.deterministic:
+            # cuBLAS is deterministic only with a fixed workspace, chosen before its first use.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        built = loaders.build(cfg, ctx, data, datasets, seed)
+        self.train_sampler, self.train_loader = built.train_sampler, built.train_loader
+        self.batches_per_epoch, self.rank_train_samples = built.batches_per_epoch, built.rank_train_samples
+        self.val_ds, self.val_loader, self.test_ds = built.val_ds, built.val_loader, built.test_ds
+        self.rank_seed = built.rank_seed
+        self._init_state()
+        self._place_model(model)
+        self.split_metrics = SplitMetrics(self.task, self.device)
+        # The probes run before the strategy wraps the model: a model that falls back from
+        # channels_last must have its final layout before DDP lays out its gradient buckets.
+        self.val_names = probe.check_task(self)
+        self.strategy = strategies.for_config(cfg, ctx)
+        self.strategy.checkpoint_activations(self.module)
+        self.module = self.strategy.prepare(self.module)
+        self.model = self.strategy.wrap(self.module)
+        self.forward = torch.compile(self.model) if cfg.compile else self.model
+        seed_everything(derive_seed(seed, ctx.rank, 1))  # per-rank stream
+        self._build_optimization(optimizer, scheduler)
+        self.callbacks = Dispatch(callbacks or {})
+        self.callbacks.fire("setup", self)
+        self.started = time.time()  # set-up done: time/first_step_s counts from here
+
+    @classmethod
+    def from_config(cls, config: dict, ctx: DistContext, run_dir: Path,
+                    hparams: Optional[dict] = None) -> "Trainer":
+        """Build task, data, model, optimizer, scheduler, callbacks and (on rank 0) loggers
+        from a resolved config (plain Python, as workers receive it); return the trainer."""
+        from ddpexp.training.build import build_parts
+
+        return cls(ctx=ctx, run_dir=run_dir, hparams=hparams, **build_parts(config, ctx))
+
+    # ------------------------------------------------------------------ what callbacks use
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.ctx.is_main
+
+    def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
+        """Send ``metrics`` to every logger at ``step`` (default: the current step). Rank 0
+        writes; on the other ranks this is a no-op."""
+        self.loggers.log_metrics(metrics, self.step if step is None else step, self.epoch)
+
+    def request_stop(self, reason: str, status: str = "stopped") -> None:
+        """Ask for the run to end (from any rank, any event). All ranks stop together at the
+        next agreement point (a log step, or the end of the epoch for a request made during
+        its validation or epoch end, after that epoch's checkpoint); the run ends with
+        ``status`` and ``reason`` in the log and ``metrics.json``."""
+        self.agreement.request(reason, status)
+
+    def agree(self) -> None:
+        """An agreement point: every rank learns of the stops and divergences any rank saw.
+        A collective: every rank must call it at the same point."""
+        self._reduce()
+
+    @property
+    def stopping(self) -> bool:
+        """Whether a stop signal reached the run (all ranks agreed on it)."""
+        return self.agreement.interrupted
+
+    @property
+    def diverged(self) -> bool:
+        """Whether the ranks agreed that training diverged (see :attr:`divergence`)."""
+        return bool(self.divergence)
+
+    def leaving_epoch(self) -> bool:
+        """Whether the loop leaves the epoch after this step (a stop, a divergence, the last
+        step)."""
+        return self.agreement.stopping or self.diverged or self._steps_done()
+
+    # ------------------------------------------------------------------ building
+    def eval_loader(self, dataset: Dataset):
+        """This rank's unpadded shard of ``dataset`` (each sample counted once in all)."""
+        return loaders.eval_loader(self.t, self.ctx, self.data, dataset, self.rank_seed)
+
+    def _place_model(self, model: nn.Module) -> None:
+        """The model on this rank's device, in its memory format, with its autocast dtype."""
+        t = self.t
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ConfigError(
+                f"model._target_ built a {type(model).__name__} without trainable parameters: "
+                "there is nothing to train. Give the model parameters (nn.Parameter, layers "
+                "such as nn.Linear) that require grad"
+            )
+        self.memory_format, self.layout_on_trial = probe.memory_format(model, t, self.device)
+        model.to(self.device, memory_format=self.memory_format)
+        self.module = model
+        self.amp_dtype = {"bf16": torch.bfloat16, "16": torch.float16}.get(str(t.precision))
+
+    def _build_optimization(self, optimizer: Callable, scheduler: Optional[Callable]) -> None:
+        t = self.t
+        self.optimizer = optimizer(self.module.parameters())
+        self.steps_per_epoch = max(1, math.ceil(self.batches_per_epoch / t.accumulate))
+        total = self.steps_per_epoch * t.max_epochs
+        if t.max_steps is not None:
+            total = min(total, t.max_steps)
+        self.total_steps = total
+        self.scheduler = None
+        if scheduler is not None:
+            self.scheduler = scheduler(self.optimizer, total_steps=total,
+                                       steps_per_epoch=self.steps_per_epoch)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=str(t.precision) == "16")
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+
+    def _init_state(self) -> None:
+        self.epoch, self.batch, self.step = 0, 0, 0
+        self.best_value: Optional[float] = None
+        self.best_epoch: Optional[int] = None
+        self.improved = False  # whether the latest validation was the best so far
+        self.metrics: dict[str, float] = {}
+        self.history: list[dict] = []
+        self.status = "running"
+        self.test_metrics: dict = {}  # test/<name> of best.pt and its epoch, once tested
+        self.started = time.time()
+        self.resumed = False
+        self.train_means = RunningMeans(self.device)  # training metrics not yet logged
+        self.logged: dict[str, float] = {}  # the latest logged training metrics (rank 0)
+        self._last_log_time = time.perf_counter()
+        self._grad_norm: Optional[torch.Tensor] = None
+        self._first_step_pending = True
+        self._epoch_finished = False  # trained and validated: a checkpoint resumes after it
+        self.divergence = Divergence(self.t.divergence_factor)
+        self.agreement = Agreement(self.ctx.rank, self.ctx.world_size, self.device, self.divergence)
+        self.last_saved_step: Optional[int] = None  # the step of the newest checkpoint
+
+    # ------------------------------------------------------------------ the run
+    def fit(self, resume_from: Optional[Path] = None) -> dict:
+        """Train to ``max_epochs``/``max_steps`` (or until stopped) and return the metrics
+        that ``metrics.json`` holds."""
+        if resume_from is not None:
+            self._load(resume_from)
+        self._open_loggers()
+        try:
+            with strategies.debug_modes(self.t), contextlib.closing(self.beat):
+                self.callbacks.fire("on_fit_start", self)
+                with self.agreement.signal:
+                    self._loop()
+                if self.status == "running":
+                    self.status = "completed"
+                if self.t.test and self.status in FINISHED:
+                    self._test()  # still watched: the test of best.pt runs collectives too
+        except BaseException as exc:
+            self.callbacks.fire("on_exception", self, exc)
+            self.loggers.finalize("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
+            raise
+        result = self._result()
+        self.callbacks.fire("on_fit_end", self, result)
+        if self.ctx.is_main:
+            write_metrics(self.run_dir, result)
+        self.loggers.finalize(self.status)
+        return result
+
+    def _loop(self) -> None:
+        while self.epoch < self.t.max_epochs and not self._steps_done():
+            epoch_start = time.perf_counter()
+            complete = self._train_epoch()
+            if self.diverged:
+                return self._diverge()
+            if self.stopping:
+                return self._interrupt()
+            val = self._validate()
+            if self.diverged:  # a non-finite loss since the last log step
+                return self._diverge()
+            self._end_epoch(val, time.perf_counter() - epoch_start, complete)
+            if self.diverged:  # the weights themselves went non-finite
+                return self._diverge()
+            if self.stopping:  # a signal arrived during the last steps or the validation
+                return self._interrupt()
+            if self.status != "running":
+                return
+
+    def _steps_done(self) -> bool:
+        return self.t.max_steps is not None and self.step >= self.t.max_steps
+
+    def _train_epoch(self) -> bool:
+        """One pass over this rank's shard from ``self.batch`` on; True if it reached the end.
+
+        A stop is acted on only where all ranks agree on it (log steps, validation), so no
+        rank leaves a collective the others are in."""
+        self.model.train()
+        bs, accumulate = self.data.batch_size, self.t.accumulate
+        self.train_sampler.set_epoch(self.epoch, skip=self.batch * bs)
+        generator = getattr(self.train_loader, "generator", None)
+        if generator is not None:  # DataLoader workers' seeds: a function of (rank, epoch)
+            generator.manual_seed(derive_seed(self.seed, self.ctx.rank, self.epoch, 2))
+        self.callbacks.fire("on_train_epoch_start", self)
+        group_end = 0
+        # trainer.limit_train_batches / overfit_batches end the epoch early.
+        batches = itertools.islice(self.train_loader, self.batches_per_epoch - self.batch)
+        for i, batch in enumerate(self._fetching(batches), start=self.batch):
+            if i >= group_end:  # the first micro-batch of an optimizer step
+                group_end = min(i + accumulate, self.batches_per_epoch)
+                group_samples = min(self.rank_train_samples - i * bs, (group_end - i) * bs)
+            last_micro = i + 1 == group_end
+            self._run_batch(batch, last_micro, group_samples)
+            if not last_micro:
+                continue
+            self.batch = i + 1
+            log_now = (self.step + 1) % self.t.log_every_n_steps == 0
+            self._optimizer_step(log_now)
+            self.step += 1
+            if self._first_step_pending:
+                self._log_first_step()
+            if log_now:
+                self._log_step()  # also an agreement point
+            self.callbacks.fire("on_train_batch_end", self)
+            if self.ctx.world_size == 1:
+                self.agreement.alone()
+            if self.leaving_epoch():
+                return self.batch >= self.batches_per_epoch
+        self.batch = self.batches_per_epoch
+        return True
+
+    def _fetching(self, loader: Any):
+        """``loader``'s batches, marking the data phase while each is fetched."""
+        it = iter(loader)
+        while True:
+            self.beat.mark(DATA, self.step)
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            yield batch
+
+    def autocast(self):
+        """The precision's autocast context (a no-op at 32)."""
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    def to_device(self, batch: Any) -> Any:
+        """``batch`` on this rank's device, in the model's memory format (see
+        :func:`ddpexp.training.loaders.to_device`)."""
+        return loaders.to_device(batch, self.device, self.memory_format)
+
+    def _run_batch(self, batch: Any, last_micro: bool, group_samples: int) -> None:
+        """Forward and backward of one micro-batch. The task's mean loss is weighted by the
+        micro-batch's share of the optimizer step's samples, so that accumulating N batches
+        of B gives the gradient of one batch of N*B (and an uneven last batch counts right)."""
+        batch = self.to_device(batch)
+        n = self.task.batch_size(batch)
+        try:
+            with self.strategy.no_sync(self.model, last_micro):
+                self.beat.mark(FORWARD, self.step)
+                with self.autocast():
+                    out = self.task.training_step(self.forward, batch)
+                self.beat.mark(BACKWARD, self.step)
+                loss = out["loss"] if n == group_samples else out["loss"] * (n / group_samples)
+                self.scaler.scale(loss).backward()
+        except RuntimeError as exc:
+            if "find_unused_parameters" not in str(exc):
+                raise
+            raise ConfigError(
+                "some of the model's parameters take no part in the loss, which DDP refuses "
+                "by default. Set trainer.find_unused_parameters=true (or use every "
+                "parameter in forward)"
+            ) from exc
+        self.train_means.add(out, n, type(self.task).__name__, "training_step")
+
+    def _optimizer_step(self, log_now: bool) -> None:
+        self.beat.mark(OPTIMIZER, self.step)
+        clip = self.t.grad_clip
+        if clip is not None or log_now:
+            self.scaler.unscale_(self.optimizer)
+            if clip is not None:
+                self._grad_norm = self.strategy.clip(self.params, clip)
+            else:
+                self._grad_norm = self.strategy.grad_norm(self.params)
+        self.callbacks.fire("on_before_optimizer_step", self)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def _log_first_step(self) -> None:
+        """Record start-up cost once per session: ``time/first_step_s`` is the seconds from
+        the end of the trainer's set-up (data, model, optimizer built) to the end of its
+        first optimizer step; the event's wall time, when that step ended, is what
+        scripts/bench.py reads."""
+        self._first_step_pending = False
+        self.log_metrics({"time/first_step_s": time.time() - self.started})
+
+    # ------------------------------------------------------------------ agreement
+    def _reduce(self, *values: torch.Tensor | float) -> list[float]:
+        """Sum scalars over all ranks in one collective, which is also where the ranks agree
+        on stops and divergence (:mod:`ddpexp.training.agreement`)."""
+        return self.agreement.reduce(values, self.train_means, self.step, self.epoch)
+
+    # ------------------------------------------------------------------ logging
+    def _log_step(self) -> None:
+        names = self.train_means.names or []
+        *totals, seen = self._reduce(self.train_means.pending(), self.train_means.seen)
+        now = time.perf_counter()
+        rate = seen / max(now - self._last_log_time, 1e-9)
+        self._last_log_time = now
+        self.train_means.reset()
+        if not self.ctx.is_main:
+            return
+        values = means(names, totals, seen, "train", self.task.derived)
+        values["train/samples_per_s"] = rate
+        if self._grad_norm is not None:
+            values["train/grad_norm"] = float(self._grad_norm)
+        self.logged = values
+        self.log_metrics(values)
+
+    def _open_loggers(self) -> None:
+        if self.loggers:
+            self.loggers.open(RunInfo(run_dir=self.run_dir, name=run_name(self.run_dir),
+                                      config=self.config, hparams=self.hparams,
+                                      resumed=self.resumed, step=self.step))
+
+    # ------------------------------------------------------------------ divergence
+    def _diverge(self) -> None:
+        """Stop a run whose training loss diverged; nothing is saved (last.pt and best.pt
+        keep the weights from before)."""
+        self.status = "diverged"
+        if self.ctx.is_main:
+            log.warning("epoch %d  step %d: %s; stopping", self.epoch, self.step, self.divergence.warning())
+
+    def divergence_message(self) -> str:
+        """What happened and what to try, for the log and the run's failure."""
+        return self.divergence.message(self.optimizer.param_groups[0]["lr"], self.last_saved_step,
+                                     str(self.t.precision))
+
+    # ------------------------------------------------------------------ evaluation
+    def _validate(self) -> dict[str, float]:
+        """The epoch's validation, between its two events (where the average of the weights
+        is swapped in and out)."""
+        self.callbacks.fire("on_validation_start", self)
+        val = self.evaluate(self.val_loader, "val")
+        self.callbacks.fire("on_validation_end", self, val)
+        return val
+
+    @torch.no_grad()
+    def evaluate(self, loader: Any, prefix: str = "val") -> dict[str, float]:
+        """The task's validation metrics over the whole dataset behind ``loader`` (this rank's
+        shard of it, from :meth:`eval_loader`), each sample counted once across ranks, as
+        ``prefix/<name>``, then the task's metrics over the whole split
+        (:mod:`ddpexp.training.split_metrics`). The unwrapped model is used, so no collective runs per
+        batch."""
+        self.beat.mark(VALIDATION, self.step)
+        self._sync_buffers()
+        self.module.eval()
+        sums = RunningMeans(self.device, self.val_names)
+        whole = self.split_metrics
+        if whole:
+            whole.reset()  # an evaluation cut short (a signal) leaves nothing behind
+        for batch, counted in self.strategy.eval_batches(loader):
+            batch = self.to_device(batch)
+            with self.autocast():
+                out = self.task.validation_step(self.module, batch)
+            if not counted:  # a forward that only keeps the ranks in step (fsdp)
+                continue
+            sums.add(out, self.task.batch_size(batch))
+            if whole:
+                whole.update(out, batch)
+        *totals, count = self._reduce(sums.pending(), sums.seen)
+        self.evaluated_samples = int(count)  # all ranks' (fewer than the split's with a limit)
+        values = means(self.val_names, totals, count, prefix, self.task.derived)
+        if whole:
+            values.update(whole.compute(prefix))
+        return values
+
+    def _test(self) -> None:
+        """``test/<name>`` of ``best.pt`` (:func:`ddpexp.training.evaluation.evaluate_best`)."""
+        result = evaluation.evaluate_best(self)
+        if result is not None:
+            self.test_metrics = {**result["metrics"], "epoch": result["epoch"]}
+
+    def evaluate_checkpoint(self, path: Path, split: str = "test") -> Optional[dict]:
+        """See :func:`ddpexp.training.evaluation.evaluate_checkpoint`; every rank must call it."""
+        return evaluation.evaluate_checkpoint(self, path, split)
+
+    def _sync_buffers(self) -> None:
+        """Give every rank rank 0's buffers (BatchNorm statistics) before evaluating, so all
+        ranks evaluate the weights that rank 0 saves."""
+        if self.ctx.world_size > 1:
+            for buf in self.module.buffers():
+                dist.broadcast(buf, src=0)
+
+    # ------------------------------------------------------------------ epoch end
+    def _end_epoch(self, val: dict[str, float], epoch_time: float, complete: bool = True) -> None:
+        """Record a validation and fire the epoch's end (the checkpoint callback saves last).
+        ``complete`` is False when the epoch ended part-way (max_steps, a stop): the
+        checkpoint then resumes mid-epoch."""
+        self._epoch_finished = complete
+        self.metrics = val
+        self.history.append({"epoch": self.epoch, "step": self.step, **val})
+        self.improved = self._update_best(val)
+        if self.ctx.is_main:
+            self.log_metrics({**val, "epoch/time_s": epoch_time, "epoch": self.epoch})
+            self.log_metrics({f"best/{self.monitor}": self.best_value})
+            shown = "  ".join(f"{k} {v:.4f}" for k, v in val.items())
+            log.info("epoch %d  step %d  %s%s  (%.1fs)", self.epoch, self.step, shown,
+                     "  *best*" if self.improved else "", epoch_time)
+        self.callbacks.fire("on_train_epoch_end", self, val)
+        self.agreement.alone() if self.ctx.world_size == 1 else self.agree()
+        agreed = self.agreement
+        if agreed.status is not None and self.status == "running" and not agreed.interrupted:
+            self.status = agreed.status
+            if self.ctx.is_main:
+                log.info("%s", agreed.reason if self.status != "stopped"
+                         else f"stop requested ({agreed.reason}): ending the run")
+        if complete:
+            self.epoch += 1
+            self.batch = 0
+        self._epoch_finished = False
+        if self.ctx.is_main:
+            write_metrics(self.run_dir, self._result())
+
+    def _update_best(self, val: dict[str, float]) -> bool:
+        value = val[self.monitor]
+        if not math.isfinite(value):
+            return False
+        better = self.best_value is None or (
+            value > self.best_value if self.monitor_mode == "max" else value < self.best_value
+        )
+        if better:
+            self.best_value, self.best_epoch = value, self.epoch
+        return better
+
+    def _interrupt(self) -> None:
+        """Stop on a signal: the callbacks learn of it on every rank (the checkpoint callback
+        saves where the run is, unless it just did), and the run is interrupted."""
+        name = self.agreement.signal.name
+        self.callbacks.fire("on_exception", self, Interrupted(name))
+        self.status = "interrupted"
+        if self.ctx.is_main:
+            log.warning("%s: stopped at epoch %d, step %d; checkpoint saved",
+                        name or "another rank got a stop signal", self.epoch, self.step)
+
+    # ------------------------------------------------------------------ state
+    def checkpoint_state(self) -> Optional[dict]:
+        """The checkpoint as of now (schema: :mod:`ddpexp.checkpoint.state`). Every rank must call it;
+        global rank 0 gets the dict, the others ``None``."""
+        return state.gather(self)
+
+    def resume_point(self) -> tuple[int, int]:
+        """(epoch, batch) where a resume from a checkpoint taken now continues."""
+        return (self.epoch + 1, 0) if self._epoch_finished else (self.epoch, self.batch)
+
+    def _load(self, path: Path) -> None:
+        state.load(self, path)
+        self.resumed = True
+        self.last_saved_step = self.step
+        if self.ctx.is_main:
+            log.info("resumed from %s at epoch %d, batch %d, step %d", path, self.epoch, self.batch, self.step)
+
+    def _result(self) -> dict:
+        return {
+            "status": self.status,
+            "epochs": self.epoch,
+            "steps": self.step,
+            "monitor": self.monitor,
+            "monitor_mode": self.monitor_mode,
+            "final": self.metrics,
+            "best": {self.monitor: self.best_value, "epoch": self.best_epoch},
+            "history": self.history,
+            "world_size": self.ctx.world_size,
+            # The loop's part; the run's parent adds the whole run's wall_time_s at its end.
+            "train_time_s": round(time.time() - self.started, 3),
+            **({"stopped_by": self.agreement.signal.name}
+               if self.status == "interrupted" and self.agreement.signal else {}),
+            **({"stop_reason": self.agreement.reason} if self.status in STOP_STATUSES else {}),
+            **({"test": self.test_metrics} if self.test_metrics else {}),
+            **({"diverged_at_step": self.divergence.at["step"], "error": self.divergence_message()}
+               if self.status == "diverged" and self.diverged else {}),
+        }
