@@ -213,6 +213,7 @@ def test_a_job_killed_while_the_sweep_stops_is_interrupted(tmp_path: Path, caplo
     import sys
 
     from ddpexp.sweep import pool
+    from ddpexp.sweep.summary import summarize
     from hydra_plugins.ddpexp_launcher.ddp_launcher import DdpLauncher
 
     launcher = DdpLauncher(kill_grace_s=30)
@@ -227,7 +228,7 @@ def test_a_job_killed_while_the_sweep_stops_is_interrupted(tmp_path: Path, caplo
         pool._enforce_limits(launcher, job, stop)  # sends SIGTERM to the job's group
         job.proc.wait(timeout=30)
         pool._finish(job)
-        pool.report(launcher, [job], tmp_path)
+        summarize(launcher, [job], tmp_path)
     assert (job.outcome, job.interrupted_by) == ("interrupted", "SIGTERM")
     assert "#1 ended (interrupted by SIGTERM)" in caplog.text
     assert "1 of 1 job(s) interrupted" in caplog.text and "failed" not in caplog.text

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpexp.config.cli import existing_run_overwritten
+from ddpexp.config.cli import run_dir_conflict
 from ddpexp.config.rundir import writable_dir_problem
 from ddpexp.launch.failures import explain_os_error
 from conftest import run_dirs
@@ -117,10 +117,10 @@ def test_an_existing_run_dir_is_not_overwritten(tmp_path, monkeypatch, capsys):
     assert f"resume={run_dir}" in text and "overwrite=true" in text
     assert _snapshot(run_dir) == before  # nothing written, not even Hydra's config
     # resume= says what to do with it; a sweep dir is guarded the same way.
-    assert existing_run_overwritten([f"hydra.run.dir={run_dir}", f"resume={run_dir}"]) is None
-    assert existing_run_overwritten(["-m", f"hydra.sweep.dir={tmp_path}", "seed=1,2"]).startswith(
+    assert run_dir_conflict([f"hydra.run.dir={run_dir}", f"resume={run_dir}"]) is None
+    assert run_dir_conflict(["-m", f"hydra.sweep.dir={tmp_path}", "seed=1,2"]).startswith(
         f"hydra.sweep.dir={tmp_path} already holds 1 run(s) of an earlier sweep")
-    assert existing_run_overwritten(["-m", f"hydra.sweep.dir={tmp_path}", "resume=auto"]) is None
+    assert run_dir_conflict(["-m", f"hydra.sweep.dir={tmp_path}", "resume=auto"]) is None
 
 
 def test_overwrite_true_starts_the_run_over(tmp_path, monkeypatch, capsys):

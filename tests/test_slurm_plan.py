@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from ddpexp.launch import slurm
+from ddpexp.launch.failures import describe_step_failure
 from ddpexp.errors import ConfigError
 from ddpexp.launch.fanout import _resume_hint, _slurm_plan
 
@@ -92,16 +93,16 @@ def test_the_resume_hint_repeats_the_srun(step_env, tmp_path):
 def test_the_failure_message_names_the_cause_not_its_echoes():
     lost = {"pid": 11, "cause": "raised RuntimeError: [gloo] Connection closed by peer"}
     raised = {"pid": 12, "cause": "raised RuntimeError: injected failure on rank 1"}
-    text = slurm.describe({0: lost, 1: raised}, {}, 2, 300, "run/ddpexp.log")
+    text = describe_step_failure({0: lost, 1: raised}, {}, 2, 300, "run/ddpexp.log")
     assert text == ("a worker failed, so the whole SLURM step was stopped:\n"
                     "  rank 1 (pid 12) raised RuntimeError: injected failure on rank 1")
     timed_out = {"pid": 11, "cause": "timed out in a collective", "timeout": True}
-    text = slurm.describe({0: timed_out}, {2: {"pid": 13}}, 3, 20, "run/ddpexp.log")
+    text = describe_step_failure({0: timed_out}, {2: {"pid": 13}}, 3, 20, "run/ddpexp.log")
     assert text.startswith("a worker stalled, so the whole SLURM step was stopped:\n  rank 2 (pid 13) "
                            "stalled: no progress while the others waited trainer.dist_timeout_s=20 s")
     assert "rank 0" not in text and "its Python stack is in run/ddpexp.log" in text
     # Everyone else only lost rank 1, which said nothing: it was killed.
-    text = slurm.describe({0: lost}, {}, 2, 300, "run/ddpexp.log")
+    text = describe_step_failure({0: lost}, {}, 2, 300, "run/ddpexp.log")
     assert "rank 1 died without a Python error (killed by a signal" in text
 
 

@@ -7,16 +7,15 @@ import difflib
 import os
 import re
 import shlex
-import shutil
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
-from ddpexp.config.rundir import RUN_OUTPUTS, holds_run, writable_dir_problem
-from ddpexp.config.schema import TrainerConfig
 
+from ddpexp.config.rundir import holds_run, remove_run_outputs, writable_dir_problem
+from ddpexp.config.schema import TrainerConfig
 
 
 def unknown_trainer_keys(args: list[str]) -> Optional[str]:
@@ -91,7 +90,7 @@ def preflight(args: list[str]) -> Optional[str]:
     typo = unknown_trainer_keys(args)
     if typo:
         return typo
-    taken = existing_run_overwritten(args)
+    taken = run_dir_conflict(args)
     if taken:
         return taken
     resume = command_line_values(args).get("resume")
@@ -111,11 +110,13 @@ def _shares_run_dir(values: dict[str, Any]) -> bool:
     return isinstance(nodes, int) and nodes > 1
 
 
-def existing_run_overwritten(args: list[str]) -> Optional[str]:
-    """A message when ``hydra.run.dir`` (or a sweep's ``hydra.sweep.dir``) names a dir that
-    already holds a run and neither ``resume=`` nor ``overwrite=true`` says what to do with it;
-    with ``overwrite=true`` the old run's outputs are removed first. Checked before Hydra
-    writes anything into the dir, on the path Hydra will use (however it was quoted)."""
+def run_dir_conflict(args: list[str]) -> Optional[str]:
+    """A message when ``hydra.run.dir`` (or a sweep's ``hydra.sweep.dir``) cannot be used as
+    the command line asks: no run dir can be created there, or it already holds a run and
+    neither ``resume=`` nor ``overwrite=true`` says what to do with it. With ``overwrite=true``
+    the old run's outputs are removed (:func:`~ddpexp.config.rundir.remove_run_outputs`) and
+    there is no conflict. Checked before Hydra writes anything into the dir, on the path Hydra
+    will use (however it was quoted)."""
     values = command_line_values(args)
     multirun = any(a in ("-m", "--multirun") for a in args)
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
@@ -134,12 +135,7 @@ def existing_run_overwritten(args: list[str]) -> Optional[str]:
         return None
     if str(values.get("overwrite", False)).lower() in ("true", "1", "yes", "on"):
         for run in runs:
-            for name in (*RUN_OUTPUTS, *(p.name for p in run.glob("*.log"))):
-                victim = run / name
-                if victim.is_dir():
-                    shutil.rmtree(victim)
-                elif victim.exists():
-                    victim.unlink()
+            remove_run_outputs(run)
         return None
     what = f"{command_line_override(key, target)} already holds " + (
         "a run" if not multirun else f"{len(runs)} run(s) of an earlier sweep")

@@ -4,6 +4,7 @@ found again for ``resume=``, and where Hydra saves a job's config inside one."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Optional
@@ -121,3 +122,14 @@ RUN_OUTPUTS = (".hydra", "checkpoints", "tb", "metrics.json", "metrics.csv")
 def holds_run(path: Path) -> bool:
     """Whether ``path`` holds (part of) a ddpexp run: its config, checkpoints or metrics."""
     return any((path / name).exists() for name in (".hydra/config.yaml", "checkpoints", "metrics.json"))
+
+
+def remove_run_outputs(run: Path) -> None:
+    """Delete what a run wrote into ``run`` (:data:`RUN_OUTPUTS` and its logs), for
+    ``overwrite=true``; anything else in the dir stays."""
+    for name in (*RUN_OUTPUTS, *(p.name for p in run.glob("*.log"))):
+        victim = run / name
+        if victim.is_dir():
+            shutil.rmtree(victim)
+        elif victim.exists():
+            victim.unlink()

@@ -7,11 +7,17 @@ failed before it wrote a checkpoint takes its ``.hydra/resume-N`` with it; a sec
 marks ``metrics.json`` interrupted instead of leaving it ``running``; and an ``OSError``
 (an unreadable ``data.root``, a read-only or full disk) becomes one message naming the file
 and the fix. :func:`explain_os_error` does the last for workers too.
+
+When workers fail, one message names each failed rank and its cause, whoever started them:
+:func:`describe_elastic_failure` for torch elastic's agent, :func:`describe_step_failure` for a
+SLURM step's ranks (each rank's own cause from :func:`rank_error`); ranks that only lost their
+connection to the failed one are not counted as causes.
 """
 
 from __future__ import annotations
 
 import errno
+import re
 import functools
 import shutil
 import signal
@@ -24,7 +30,9 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from ddpexp.config.rundir import claimed_dirs
+from ddpexp import errors
 from ddpexp.errors import ConfigError, DdpexpError, RunInterrupted
+from ddpexp.launch.resources import oom_kills
 from ddpexp.record import record_failure, run_started
 
 # Files Hydra itself writes into a run dir before the task runs.
@@ -140,3 +148,140 @@ def _select(cfg: Any, key: str) -> Any:
         return OmegaConf.select(cfg, key, default=None)
     except Exception:  # noqa: BLE001 - an unresolvable value is no root to name
         return None
+
+# ------------------------------------------------------------------ a failed run's message
+# What a rank's collective says when another rank went away: a consequence, not a cause.
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+             "connection closed", "Connection refused")
+
+
+def describe_elastic_failure(exc: Any, oom_kills_before: Optional[int] = None,
+                      log_file: Optional[str] = None, ranks: Any = ()) -> str:
+    """One message naming each failed rank and its cause (the first line of its error).
+    A mistake every failed rank reports alike (a ddpexp error, such as a shape check on the
+    first batch) is said once, as it is.
+
+    The agent reports the ranks it saw fail first, which can be a rank whose collective broke
+    because the real culprit had just closed its sockets. Every rank that raised has written
+    its traceback into the run's log, so ranks the agent missed are added from there, and
+    causes of their own come before lost connections. A rank of ``ranks`` (this node's) that
+    neither the agent nor the log names, while the others only lost their connection, died
+    without a Python error: a signal killed it."""
+    same = {_own_error(f) for f in exc.failures.values()}
+    if len(same) == 1 and None not in same:
+        return same.pop()  # type: ignore[return-value]
+    oom = oom_kills_before is not None and (oom_kills() or 0) > oom_kills_before
+    lines = []
+    for rank, failure in sorted(exc.failures.items()):
+        cause = _exit_cause(failure)
+        if cause == "was killed by SIGKILL":
+            cause += (" from the kernel's out-of-memory killer: memory ran out (use fewer "
+                      "trainer.procs, a smaller data.batch_size or model)" if oom else
+                      " (by another process, or by the kernel when memory ran out)")
+        lines.append(f"rank {rank} (pid {failure.pid}) {cause}")
+    for rank, (pid, last) in sorted(_logged_failures(log_file).items()):
+        if rank not in exc.failures:
+            lines.append(f"rank {rank} (pid {pid}) raised {last}")
+    lost = [any(k in line for k in PEER_LOST) for line in lines]
+    if lines and all(lost):
+        named = set(exc.failures) | set(_logged_failures(log_file))
+        for rank in sorted(set(ranks) - named):
+            lines.append(f"rank {rank} was killed by a signal without a Python error (SIGKILL "
+                         + ("from the kernel's out-of-memory killer)" if oom else
+                            "from another process, or the kernel when memory ran out)"))
+        lost = [any(k in line for k in PEER_LOST) for line in lines]
+    if not all(lost):  # the ranks that lost a peer only echo the others' failure
+        lines = [line for line, echo in zip(lines, lost) if not echo] + [
+            line.split(" raised ")[0] + " lost its connection to the failed rank(s)"
+            for line, echo in zip(lines, lost) if echo]
+    head = "a worker failed, so the whole run was stopped:" if len(lines) == 1 else \
+        f"{len(lines)} workers failed, so the whole run was stopped:"
+    text = head + "\n  " + "\n  ".join(lines)
+    if any("Timed out" in line or "timed out" in line for line in lines):
+        text += (
+            "\n(a collective waited longer than trainer.dist_timeout_s: another rank stalled, "
+            "e.g. stuck in data loading or a deadlock, or skipped a collective)"
+        )
+    return text
+
+
+def _logged_failures(log_file: Optional[str]) -> dict[int, tuple[str, str]]:
+    """``{rank: (pid, last line of its traceback)}`` for each ``[rankN] worker failed (pid
+    P):`` entry that the workers wrote into the run's log."""
+    try:
+        text = Path(log_file).read_text(errors="replace") if log_file else ""
+    except OSError:
+        return {}
+    found = {}
+    pattern = r"^\[rank(\d+)\] worker failed \(pid (\d+)\):\n(Traceback.*?)(?=^\[|\Z)"
+    for match in re.finditer(pattern, text, flags=re.S | re.M):
+        tail = [line for line in match.group(3).splitlines() if line.strip()]
+        if tail:
+            found[int(match.group(1))] = (match.group(2), tail[-1].strip())
+    return found
+
+
+def _own_error(failure: Any) -> Optional[str]:
+    """The message of a ddpexp error (ConfigError, CheckpointError, ...) a rank raised."""
+    data = failure.error_file_data
+    message = data.get("message") if isinstance(data, dict) else None
+    text = str(message.get("message", "")) if isinstance(message, dict) else ""
+    name, _, rest = text.partition(": ")
+    cls = getattr(errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, errors.DdpexpError) and rest:
+        return rest
+    return None
+
+
+def _exit_cause(failure: Any) -> str:
+    data = failure.error_file_data
+    message = data.get("message") if isinstance(data, dict) else None
+    if isinstance(message, dict):
+        text = str(message.get("message", "")).strip()
+        if text:
+            return "raised " + text.splitlines()[-1] if "Traceback" in text else "raised " + text
+    if failure.exitcode < 0:
+        try:
+            name = signal.Signals(-failure.exitcode).name
+        except ValueError:
+            name = f"signal {-failure.exitcode}"
+        return f"was killed by {name}"
+    return f"exited with code {failure.exitcode}"
+
+
+def describe_step_failure(failed: dict[int, dict], stalled: dict[int, dict], world: int, timeout_s: float,
+             log_file: str) -> str:
+    """The step's failure in one message: stalled ranks first, then ranks with a cause of
+    their own, then ranks that vanished; ranks that only lost a peer are not repeated."""
+    lines = [f"rank {r} (pid {s['pid']}) stalled: no progress while the others waited "
+             f"trainer.dist_timeout_s={timeout_s:g} s for it; its Python stack is in {log_file}"
+             for r, s in sorted(stalled.items())]
+    own = {r: f for r, f in failed.items() if r not in stalled and not _only_lost_peer(f["cause"])
+           and not (f.get("timeout") and stalled)}
+    lines += [f"rank {r} (pid {f['pid']}) {f['cause']}" for r, f in sorted(own.items())]
+    if not lines:
+        silent = [r for r in range(world) if r not in failed and r not in stalled]
+        lines += [f"rank {r} died without a Python error (killed by a signal: SIGKILL from "
+                  "another process, or the kernel when memory ran out)" for r in silent]
+    if not lines:  # every rank only saw its peers go: say what they saw
+        lines = [f"rank {r} (pid {f['pid']}) {f['cause']}" for r, f in sorted(failed.items())]
+    noun = "stalled" if stalled else "failed"
+    head = (f"a worker {noun}, so the whole SLURM step was stopped:" if len(lines) == 1 else
+            f"{len(lines)} workers {noun}, so the whole SLURM step was stopped:")
+    return head + "\n  " + "\n  ".join(lines)
+
+
+def _only_lost_peer(cause: str) -> bool:
+    return any(k.lower() in cause.lower() for k in PEER_LOST)
+
+
+def rank_error(exc: BaseException) -> tuple[str, bool]:
+    """``("raised ValueError: bad", False)``; the flag says a collective timed out."""
+    text = str(exc).strip().splitlines()
+    last = text[-1] if text else ""
+    timed_out = "timed out" in str(exc).lower()
+    if isinstance(exc, DdpexpError):
+        return str(exc), timed_out
+    if timed_out:
+        return "timed out in a collective (waited longer than trainer.dist_timeout_s)", True
+    return f"raised {type(exc).__name__}: {last}", False

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -26,13 +25,12 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from ddpexp import errors
 from ddpexp.launch import slurm
 from ddpexp.config.cli import command_line_override, env_flag
 from ddpexp.config.schema import to_plain
 from ddpexp.config.validate import validate
 from ddpexp.errors import ConfigError, DdpexpError, RunDiverged, RunFailed, RunInterrupted
-from ddpexp.launch.failures import guard_run
+from ddpexp.launch.failures import describe_elastic_failure, guard_run
 from ddpexp.config.monitor import fill_monitor
 from ddpexp.record import record_failure, record_wall_time, run_started
 from ddpexp.launch.resources import check_resources, oom_kills
@@ -350,7 +348,7 @@ def _elastic(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
             raise RunFailed(watchdog.message) from None
         if all(f.exitcode == EXIT_INTERRUPTED for f in exc.failures.values()):
             raise RunInterrupted(_resume_hint(Path(payload.run_dir), None)) from None
-        raise RunFailed(_describe_failure(
+        raise RunFailed(describe_elastic_failure(
             exc, oom_before, payload.log_file,
             range(plan.procs) if plan.nodes == 1 else ())) from None
     except SignalException as exc:
@@ -365,104 +363,6 @@ def _elastic(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
     if watchdog.message:  # a stall the group recovered from by a restart
         log.warning("%s", watchdog.message)
     return results.get(0)
-
-
-def _describe_failure(exc: Any, oom_kills_before: Optional[int] = None,
-                      log_file: Optional[str] = None, ranks: Any = ()) -> str:
-    """One message naming each failed rank and its cause (the first line of its error).
-    A mistake every failed rank reports alike (a ddpexp error, such as a shape check on the
-    first batch) is said once, as it is.
-
-    The agent reports the ranks it saw fail first, which can be a rank whose collective broke
-    because the real culprit had just closed its sockets. Every rank that raised has written
-    its traceback into the run's log, so ranks the agent missed are added from there, and
-    causes of their own come before lost connections. A rank of ``ranks`` (this node's) that
-    neither the agent nor the log names, while the others only lost their connection, died
-    without a Python error: a signal killed it."""
-    same = {_own_error(f) for f in exc.failures.values()}
-    if len(same) == 1 and None not in same:
-        return same.pop()  # type: ignore[return-value]
-    oom = oom_kills_before is not None and (oom_kills() or 0) > oom_kills_before
-    lines = []
-    for rank, failure in sorted(exc.failures.items()):
-        cause = _cause(failure)
-        if cause == "was killed by SIGKILL":
-            cause += (" from the kernel's out-of-memory killer: memory ran out (use fewer "
-                      "trainer.procs, a smaller data.batch_size or model)" if oom else
-                      " (by another process, or by the kernel when memory ran out)")
-        lines.append(f"rank {rank} (pid {failure.pid}) {cause}")
-    for rank, (pid, last) in sorted(_logged_failures(log_file).items()):
-        if rank not in exc.failures:
-            lines.append(f"rank {rank} (pid {pid}) raised {last}")
-    lost = [any(k in line for k in _PEER_LOST) for line in lines]
-    if lines and all(lost):
-        named = set(exc.failures) | set(_logged_failures(log_file))
-        for rank in sorted(set(ranks) - named):
-            lines.append(f"rank {rank} was killed by a signal without a Python error (SIGKILL "
-                         + ("from the kernel's out-of-memory killer)" if oom else
-                            "from another process, or the kernel when memory ran out)"))
-        lost = [any(k in line for k in _PEER_LOST) for line in lines]
-    if not all(lost):  # the ranks that lost a peer only echo the others' failure
-        lines = [line for line, echo in zip(lines, lost) if not echo] + [
-            line.split(" raised ")[0] + " lost its connection to the failed rank(s)"
-            for line, echo in zip(lines, lost) if echo]
-    head = "a worker failed, so the whole run was stopped:" if len(lines) == 1 else \
-        f"{len(lines)} workers failed, so the whole run was stopped:"
-    text = head + "\n  " + "\n  ".join(lines)
-    if any("Timed out" in line or "timed out" in line for line in lines):
-        text += (
-            "\n(a collective waited longer than trainer.dist_timeout_s: another rank stalled, "
-            "e.g. stuck in data loading or a deadlock, or skipped a collective)"
-        )
-    return text
-
-
-# What a rank's collective says when another rank went away: a consequence, not a cause.
-_PEER_LOST = slurm.PEER_LOST
-
-
-def _logged_failures(log_file: Optional[str]) -> dict[int, tuple[str, str]]:
-    """``{rank: (pid, last line of its traceback)}`` for each ``[rankN] worker failed (pid
-    P):`` entry that the workers wrote into the run's log."""
-    try:
-        text = Path(log_file).read_text(errors="replace") if log_file else ""
-    except OSError:
-        return {}
-    found = {}
-    pattern = r"^\[rank(\d+)\] worker failed \(pid (\d+)\):\n(Traceback.*?)(?=^\[|\Z)"
-    for match in re.finditer(pattern, text, flags=re.S | re.M):
-        tail = [line for line in match.group(3).splitlines() if line.strip()]
-        if tail:
-            found[int(match.group(1))] = (match.group(2), tail[-1].strip())
-    return found
-
-
-def _own_error(failure: Any) -> Optional[str]:
-    """The message of a ddpexp error (ConfigError, CheckpointError, ...) a rank raised."""
-    data = failure.error_file_data
-    message = data.get("message") if isinstance(data, dict) else None
-    text = str(message.get("message", "")) if isinstance(message, dict) else ""
-    name, _, rest = text.partition(": ")
-    cls = getattr(errors, name, None)
-    if isinstance(cls, type) and issubclass(cls, errors.DdpexpError) and rest:
-        return rest
-    return None
-
-
-def _cause(failure: Any) -> str:
-    data = failure.error_file_data
-    message = data.get("message") if isinstance(data, dict) else None
-    if isinstance(message, dict):
-        text = str(message.get("message", "")).strip()
-        if text:
-            return "raised " + text.splitlines()[-1] if "Traceback" in text else "raised " + text
-    if failure.exitcode < 0:
-        try:
-            name = signal.Signals(-failure.exitcode).name
-        except ValueError:
-            name = f"signal {-failure.exitcode}"
-        return f"was killed by {name}"
-    return f"exited with code {failure.exitcode}"
 
 
 def _resume_hint(run_dir: Path, hydra_cfg: Any) -> str:

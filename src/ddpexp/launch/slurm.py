@@ -36,7 +36,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ddpexp.errors import ConfigError, DdpexpError, RunFailed, RunInterrupted
+from ddpexp.errors import ConfigError, RunFailed, RunInterrupted
+from ddpexp.launch.failures import describe_step_failure, rank_error
 from ddpexp.record import record_failure
 
 log = logging.getLogger("ddpexp")
@@ -56,9 +57,6 @@ POLL_S = 0.25
 GRACE_S = {"timeout": 2.0, "error": 10.0}
 # How long global rank 0 waits for the other ranks' reports before it writes its message.
 REPORT_WAIT_S = {"timeout": 8.0, "error": 3.0}
-# What a rank's collective says when another rank went away: a consequence, not a cause.
-PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
-             "connection closed", "Connection refused")
 EXIT_FAILED = 1
 
 
@@ -262,45 +260,7 @@ class Step:
                 break
             time.sleep(POLL_S)
         failed, stalled = self.reports("failed"), self.reports("stalled")
-        return describe(failed, stalled, self.world, timeout_s, log_file)
-
-
-def describe(failed: dict[int, dict], stalled: dict[int, dict], world: int, timeout_s: float,
-             log_file: str) -> str:
-    """The step's failure in one message: stalled ranks first, then ranks with a cause of
-    their own, then ranks that vanished; ranks that only lost a peer are not repeated."""
-    lines = [f"rank {r} (pid {s['pid']}) stalled: no progress while the others waited "
-             f"trainer.dist_timeout_s={timeout_s:g} s for it; its Python stack is in {log_file}"
-             for r, s in sorted(stalled.items())]
-    own = {r: f for r, f in failed.items() if r not in stalled and not _echo(f["cause"])
-           and not (f.get("timeout") and stalled)}
-    lines += [f"rank {r} (pid {f['pid']}) {f['cause']}" for r, f in sorted(own.items())]
-    if not lines:
-        silent = [r for r in range(world) if r not in failed and r not in stalled]
-        lines += [f"rank {r} died without a Python error (killed by a signal: SIGKILL from "
-                  "another process, or the kernel when memory ran out)" for r in silent]
-    if not lines:  # every rank only saw its peers go: say what they saw
-        lines = [f"rank {r} (pid {f['pid']}) {f['cause']}" for r, f in sorted(failed.items())]
-    noun = "stalled" if stalled else "failed"
-    head = (f"a worker {noun}, so the whole SLURM step was stopped:" if len(lines) == 1 else
-            f"{len(lines)} workers {noun}, so the whole SLURM step was stopped:")
-    return head + "\n  " + "\n  ".join(lines)
-
-
-def _echo(cause: str) -> bool:
-    return any(k.lower() in cause.lower() for k in PEER_LOST)
-
-
-def cause_of(exc: BaseException) -> tuple[str, bool]:
-    """``("raised ValueError: bad", False)``; the flag says a collective timed out."""
-    text = str(exc).strip().splitlines()
-    last = text[-1] if text else ""
-    timed_out = "timed out" in str(exc).lower()
-    if isinstance(exc, DdpexpError):
-        return str(exc), timed_out
-    if timed_out:
-        return "timed out in a collective (waited longer than trainer.dist_timeout_s)", True
-    return f"raised {type(exc).__name__}: {last}", False
+        return describe_step_failure(failed, stalled, self.world, timeout_s, log_file)
 
 
 class Listener:
@@ -418,7 +378,7 @@ def run_rank(step: Step, payload: Any) -> Optional[dict]:
             raise
         except BaseException as exc:
             step.failing.set()
-            cause, timed_out = cause_of(exc)
+            cause, timed_out = rank_error(exc)
             abort = step.aborted()
             kind = "timeout" if timed_out or (abort or {}).get("kind") == "timeout" else "error"
             step.report("failed", cause=cause, timeout=timed_out)
@@ -427,7 +387,7 @@ def run_rank(step: Step, payload: Any) -> Optional[dict]:
                 # Rank 0 is gone, and with it the store and the run's writer: the next rank
                 # says what it saw, once.
                 seen = {r: {"pid": os.getpid(), "cause": cause} for r in range(1, step.world)}
-                _tell(payload, describe(seen, {}, step.world, timeout_s, payload.log_file),
+                _tell(payload, describe_step_failure(seen, {}, step.world, timeout_s, payload.log_file),
                       started)
             if step.rank != 0:
                 raise

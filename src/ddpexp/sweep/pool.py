@@ -43,6 +43,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ddpexp.config.cli import command_line_override
 from ddpexp.errors import RunInterrupted
+from ddpexp.sweep.summary import job_error, summarize
 from ddpexp.record import FINISHED, JOB_STARTED_ENV, read_metrics_or_empty
 
 log = logging.getLogger("hydra_plugins.ddpexp_launcher")
@@ -194,7 +195,7 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
     for job in pending:
         job.ret = JobReturn(overrides=job.overrides, cfg=job.config, status=JobStatus.FAILED,
                             _return_value=JobSkipped(reason))
-    report(launcher, jobs, sweep_dir)
+    summarize(launcher, jobs, sweep_dir)
     if pool.stopped:
         raise SweepInterrupted(
             f"the sweep was stopped by {pool.stopped}. To finish it, run the same command "
@@ -461,14 +462,14 @@ def _finish(job: Job) -> None:
         exc = ret._return_value
         if job.timed_out:
             ret._return_value = JobFailed(f"job {job.idx} ran over hydra.launcher.timeout_s "
-                                          f"and was stopped: {cause_of(ret)}")
+                                          f"and was stopped: {job_error(ret)}")
         elif not isinstance(exc, CompactHydraException):
             # Re-raised here, the exception would show a traceback of the launcher, not of
             # the job; the job's traceback is in its log.
             log_file = Path(ret.working_dir or job.dir or ".") / f"{ret.task_name or 'job'}.log"
             if job.dir is not None and job.config is not None:
                 log_file = job.dir / f"{job.config.hydra.job.name}.log"
-            wrapped = JobFailed(f"job {job.idx} failed with {cause_of(ret)}\n"
+            wrapped = JobFailed(f"job {job.idx} failed with {job_error(ret)}\n"
                                 f"(its traceback is in {log_file})")
             wrapped.original = exc  # type: ignore[attr-defined]
             ret._return_value = wrapped
@@ -516,64 +517,3 @@ class _StopSignals:
     def __exit__(self, *exc: Any) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
-
-
-# ------------------------------------------------------------------------------ summary
-def cause_of(ret: JobReturn) -> str:
-    """Why a job did not complete, in one message (its own, for ddpexp's and Hydra's errors)."""
-    exc = ret._return_value
-    if isinstance(exc, CompactHydraException):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _listed(jobs: List[Job]) -> str:
-    """Each job's label and, indented below it, its cause."""
-    return "\n".join(f"  {j.label}\n      " + cause_of(j.ret).strip().replace("\n", "\n      ")  # type: ignore[arg-type]
-                     for j in jobs)
-
-
-def report(launcher: Any, jobs: List[Job], sweep_dir: Path) -> None:
-    """Write and print the sweep's table (every job in the sweep dir so far), then list the
-    jobs of this launch that failed or were interrupted, with their overrides and cause."""
-    from ddpexp import report
-
-    for job in jobs:
-        if job.ret is None:
-            continue
-        key = str(job.config.hydra.sweep.subdir) if job.config is not None else str(job.idx)
-        outcome = job.outcome
-        launcher.outcomes[key] = (job.overrides, outcome,
-                                  None if outcome == "completed" else cause_of(job.ret),
-                                  round(job.ended - job.started, 3) if job.ended else None)
-    rows = {r.job: r for r in report.collect(sweep_dir)}
-    for key, (overrides, outcome, cause, wall) in launcher.outcomes.items():
-        row = rows.get(key) or report.Row(job=key, overrides=report.own_overrides(overrides))
-        if outcome != "completed":
-            # What the job process knew; metrics.json may say less (a job that failed before
-            # training wrote none, a killed one still says running).
-            if row.status not in ("failed", "interrupted", "diverged"):
-                row.status = outcome
-            row.error = row.error or cause
-        elif row.status == report.NO_METRICS:  # any Hydra app: the job's own outcome
-            row.status = "completed"
-        if row.wall_time_s is None:  # the run recorded none (it never got to run)
-            row.wall_time_s = wall
-        rows[key] = row
-    ordered = report.sort_rows(rows.values())
-    if ordered:
-        report.write_summary(sweep_dir, ordered)
-        log.info("sweep summary (%s):\n%s", sweep_dir / "summary.csv",
-                 report.format_rows(ordered, "text").rstrip())
-    ended = [j for j in jobs if j.ret is not None]
-    failures = [j for j in ended if j.outcome == "failed"]
-    interrupted = [j for j in ended if j.outcome == "interrupted"]
-    skipped = [j for j in ended if j.outcome == "not run"]
-    if failures:
-        log.error("%d of %d job(s) failed:\n%s", len(failures), len(jobs), _listed(failures))
-    if interrupted:
-        log.warning("%d of %d job(s) interrupted:\n%s", len(interrupted), len(jobs),
-                    _listed(interrupted))
-    if skipped:
-        log.error("%d of %d job(s) not run (%s)", len(skipped), len(jobs),
-                  cause_of(skipped[0].ret).removeprefix("not run: "))  # type: ignore[arg-type]
