@@ -9,10 +9,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from ddpexp.launch import slurm
-from ddpexp.launch.failures import describe_step_failure
 from ddpexp.errors import ConfigError
-from ddpexp.launch.fanout import _resume_hint, _slurm_plan
+from ddpexp.launch import ranks
+from ddpexp.launch.failures import describe_step_failure
+from ddpexp.launch.fanout import _resume_hint, world_plan
+from ddpexp.launch.world import PORT_BASE, PORT_SPAN, detect
+
+
+def trainer(strategy="auto", gpus=0, procs=None, nodes=1):
+    return SimpleNamespace(strategy=strategy, gpus=gpus, procs=procs, nodes=nodes)
 
 
 @pytest.fixture
@@ -34,52 +39,57 @@ def step_env(monkeypatch):
 
 
 def test_each_step_of_a_job_gets_its_own_port_on_the_first_node(step_env):
-    first = slurm.master_env()
-    assert first["MASTER_ADDR"] == "gpu03"
+    first = detect()
+    assert first.launcher == "slurm" and first.master_addr == "gpu03"
     step_env(SLURM_STEP_ID="1")
-    second = slurm.master_env()
+    second = detect()
     step_env(SLURM_JOB_ID="4243")
-    other_job = slurm.master_env()
-    ports = {int(e["MASTER_PORT"]) for e in (first, second, other_job)}
+    other_job = detect()
+    ports = {w.master_port for w in (first, second, other_job)}
     assert len(ports) == 3
-    assert all(slurm.PORT_BASE <= p < slurm.PORT_BASE + slurm.PORT_SPAN for p in ports)
+    assert all(PORT_BASE <= p < PORT_BASE + PORT_SPAN for p in ports)
     step_env(MASTER_PORT="23456", MASTER_ADDR="10.0.0.1")  # the user's choice stands
-    assert slurm.master_env() == {}
+    assert (detect().master_addr, detect().master_port) == ("10.0.0.1", 23456)
 
 
-def test_a_sweep_inside_an_srun_step_is_refused():
-    assert "cannot run inside an srun step" in slurm.sweep_problem(["-m", "optimizer.lr=0.1,0.2"])
-    assert "hydra/launcher=submitit_slurm" in slurm.sweep_problem(["--multirun", "seed=0,1"])
-    assert slurm.sweep_problem(["optimizer.lr=0.1"]) is None
+def test_a_sweep_inside_an_srun_step_is_refused(step_env):
+    world = detect()
+    assert "cannot run inside an srun step" in ranks.sweep_problem(["-m", "optimizer.lr=0.1,0.2"], world)
+    assert "hydra/launcher=submitit_slurm" in ranks.sweep_problem(["--multirun", "seed=0,1"], world)
+    assert ranks.sweep_problem(["optimizer.lr=0.1"], world) is None
 
 
 def test_a_batch_script_or_one_task_is_no_step_of_ranks(step_env):
-    assert slurm.step_ranks()
+    assert detect() is not None
     step_env(SLURM_STEP_ID="4294967294")  # the batch script itself
-    assert not slurm.step_ranks()
+    assert detect() is None
     step_env(SLURM_NTASKS="1")
-    assert not slurm.step_ranks()
+    assert detect() is None
 
 
 @pytest.mark.parametrize("strategy", ["auto", "ddp", "fsdp"])
 def test_a_step_spans_its_tasks_with_ddp_or_fsdp(step_env, strategy):
-    plan = _slurm_plan(SimpleNamespace(strategy=strategy, gpus=0, procs=None))
+    plan = world_plan(trainer(strategy), detect())
     assert (plan.strategy, plan.procs, plan.nodes) == ("fsdp" if strategy == "fsdp" else "ddp", 2, 1)
     step_env(SLURM_NTASKS="8", SLURM_STEP_TASKS_PER_NODE="4(x2)", SLURM_STEP_NUM_NODES="2")
-    assert _slurm_plan(SimpleNamespace(strategy=strategy, gpus=4, procs=None)).world_size == 8
+    assert world_plan(trainer(strategy, gpus=4), detect()).world_size == 8
 
 
 def test_workers_that_disagree_with_the_tasks_are_refused(step_env):
-    with pytest.raises(ConfigError, match=r"trainer.strategy=dp cannot span the 2 tasks .* "
-                                          r"use trainer.strategy=ddp or fsdp"):
-        _slurm_plan(SimpleNamespace(strategy="dp", gpus=0, procs=None))
-    with pytest.raises(ConfigError, match=r"trainer.procs=4, but this SLURM step has 2 task\(s\) "
-                                          r"per node.*srun --ntasks-per-node=4"):
-        _slurm_plan(SimpleNamespace(strategy="auto", gpus=0, procs=4))
-    with pytest.raises(ConfigError, match=r"trainer.gpus=4, but this SLURM step has 2 task\(s\) "
-                                          r"per node.*or trainer.gpus=2"):
-        _slurm_plan(SimpleNamespace(strategy="auto", gpus=4, procs=None))
-    assert _slurm_plan(SimpleNamespace(strategy="auto", gpus=0, procs=2)).procs == 2
+    world = detect()
+    with pytest.raises(ConfigError, match=r"trainer.strategy=dp cannot span the 2 ranks of the "
+                                          r"SLURM step's tasks; use trainer.strategy=ddp or fsdp"):
+        world_plan(trainer("dp"), world)
+    with pytest.raises(ConfigError, match=r"trainer.procs=4, but the SLURM step's tasks are 2 "
+                                          r"process\(es\) per node.*srun --ntasks-per-node=4"):
+        world_plan(trainer(procs=4), world)
+    with pytest.raises(ConfigError, match=r"trainer.gpus=4, but the SLURM step's tasks are 2 "
+                                          r"process\(es\) per node.*or use trainer.gpus=2"):
+        world_plan(trainer(gpus=4), world)
+    with pytest.raises(ConfigError, match=r"trainer.nodes=3, but the SLURM step's tasks span 1 "
+                                          r"node\(s\): leave trainer.nodes unset"):
+        world_plan(trainer(nodes=3), world)
+    assert world_plan(trainer(procs=2), world).procs == 2
 
 
 def test_the_resume_hint_repeats_the_srun(step_env, tmp_path):

@@ -23,24 +23,40 @@ def cli() -> None:
     """Console entry point (``ddpexp`` and ``python -m ddpexp``)."""
     import sys
 
-    from ddpexp.launch import slurm
     from ddpexp.errors import DdpexpError
     from ddpexp.launch.proc import exit_now
+    from ddpexp.launch.world import detect
 
-    if slurm.step_ranks():
-        # srun started every rank: rank 0 alone reads the command line and runs Hydra; the
-        # other tasks run on the config it hands them (ddpexp.launch.slurm).
-        problem = slurm.sweep_problem(sys.argv[1:])
+    try:
+        world = detect()
+    except DdpexpError as exc:
+        sys.exit(str(exc))
+    if world is not None:
+        # Another launcher (torchrun, mpirun, srun, env://) started every rank: rank 0 alone
+        # reads the command line and runs Hydra; the other ranks run on the config it hands
+        # them (ddpexp.launch.ranks).
+        from ddpexp.launch import ranks
+
+        problem = ranks.sweep_problem(sys.argv[1:], world) or ranks.fanout_keys_problem(
+            sys.argv[1:], world)
         if problem:
-            sys.exit(problem if slurm.rank() == 0 else 1)  # said once, by rank 0
-        slurm.quiet_torch_warnings()
+            sys.exit(problem if world.rank == 0 else 1)  # said once, by rank 0
+        ranks.quiet_torch_warnings()
         try:
-            step = slurm.current()
+            step = ranks.current(world)
         except DdpexpError as exc:
             sys.exit(str(exc))
         if step.rank != 0:
-            exit_now(slurm.follow(step))
-        slurm.lead(step, _checked_main)
+            exit_now(ranks.follow(step))
+        earlier = step.earlier_run_dir()
+        if earlier is not None:
+            # A restart round of torchrun: continue the run the first round started.
+            from ddpexp.config.cli import command_line_override
+
+            kept = [a for a in sys.argv[1:]
+                    if a.split("=", 1)[0].lstrip("+") not in ("hydra.run.dir", "resume")]
+            sys.argv[1:] = [*kept, command_line_override("hydra.run.dir", earlier), "resume=auto"]
+        ranks.lead(step, _checked_main)
     else:
         _checked_main()
     exit_now(0)  # skips the 1-2 s interpreter teardown of a process that loaded torch

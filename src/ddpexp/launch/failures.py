@@ -249,8 +249,9 @@ def _exit_cause(failure: Any) -> str:
     return f"exited with code {failure.exitcode}"
 
 
-def describe_step_failure(failed: dict[int, dict], stalled: dict[int, dict], world: int, timeout_s: float,
-             log_file: str) -> str:
+def describe_step_failure(failed: dict[int, dict], stalled: dict[int, dict], world: int,
+                          timeout_s: float, log_file: str,
+                          whole: str = "the whole SLURM step") -> str:
     """The step's failure in one message: stalled ranks first, then ranks with a cause of
     their own, then ranks that vanished; ranks that only lost a peer are not repeated."""
     lines = [f"rank {r} (pid {s['pid']}) stalled: no progress while the others waited "
@@ -266,8 +267,8 @@ def describe_step_failure(failed: dict[int, dict], stalled: dict[int, dict], wor
     if not lines:  # every rank only saw its peers go: say what they saw
         lines = [f"rank {r} (pid {f['pid']}) {f['cause']}" for r, f in sorted(failed.items())]
     noun = "stalled" if stalled else "failed"
-    head = (f"a worker {noun}, so the whole SLURM step was stopped:" if len(lines) == 1 else
-            f"{len(lines)} workers {noun}, so the whole SLURM step was stopped:")
+    head = (f"a worker {noun}, so {whole} was stopped:" if len(lines) == 1 else
+            f"{len(lines)} workers {noun}, so {whole} was stopped:")
     return head + "\n  " + "\n  ".join(lines)
 
 

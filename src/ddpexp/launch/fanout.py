@@ -25,7 +25,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from ddpexp.launch import slurm
+from ddpexp.launch import ranks
+from ddpexp.launch.world import OWN_WORKER_ENV, World, detect
 from ddpexp.config.cli import command_line_override, env_flag
 from ddpexp.config.schema import to_plain
 from ddpexp.config.validate import validate
@@ -122,11 +123,11 @@ def run(cfg: DictConfig) -> Optional[float]:
     validate(cfg)
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
-    from_slurm = slurm.step_ranks()
-    if from_slurm and slurm.rank() > 0:
+    world = detect()
+    if world is not None and world.rank > 0:
         # A task of a submitit job with several tasks runs this too; rank 0 speaks for all.
         log.setLevel(logging.WARNING)
-    plan = _slurm_plan(cfg.trainer) if from_slurm else plan_run(cfg.trainer)
+    plan = world_plan(cfg.trainer, world) if world is not None else plan_run(cfg.trainer)
     check_resources(plan)
     try:
         plain = to_plain(cfg)
@@ -154,7 +155,7 @@ def run(cfg: DictConfig) -> Optional[float]:
     )
     log.info("run dir: %s", run_dir)
     log.info("%d worker(s)%s: strategy=%s, %s", plan.world_size,
-             " (SLURM tasks)" if from_slurm else "", plan.strategy,
+             f" ({world.what})" if world is not None else "", plan.strategy,
              f"{plan.gpus} GPU(s) per node" if plan.gpus else "CPU")
     if resume is None and cfg.resume == "auto":
         log.info("resume=auto: no checkpoint in %s, starting from scratch", run_dir / "checkpoints")
@@ -240,11 +241,14 @@ def dispatch(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
     ``ddpexp.eval`` both come through here."""
     from ddpexp.launch.worker import run_worker
 
-    if slurm.step_ranks():
-        step = slurm.current()
+    world = detect()
+    if world is not None:
+        step = ranks.current(world)
         if step.rank == 0:
             step.publish(payload)
-        return slurm.run_rank(step, payload)
+            if world.launcher == "torchrun":
+                step.remember_run_dir(payload.run_dir)
+        return ranks.run_rank(step, payload)
     if plan.world_size == 1 and cfg.trainer.max_restarts == 0:
         payload.in_process = True
         # No elastic agent: this process is the worker, so it takes SIGTERM/SIGINT itself.
@@ -252,31 +256,44 @@ def dispatch(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
     return _elastic(plan, cfg, payload)
 
 
-def _slurm_plan(trainer: Any) -> Plan:
-    """SLURM started one task per rank: the world is its tasks, DDP (or FSDP) across them.
-    A ``trainer.procs`` or ``trainer.gpus`` that asks for another number of workers per node
-    than the step has tasks is refused: SLURM, not ddpexp, decides how many there are."""
+def world_plan(trainer: Any, world: World) -> Plan:
+    """Another launcher started one process per rank: the world is its ranks, DDP (or FSDP)
+    across them. A ``trainer.procs``, ``trainer.gpus`` or ``trainer.nodes`` that asks for
+    another layout than the launcher's is refused: the launcher, not ddpexp, decides how many
+    workers there are."""
     strategy = getattr(trainer.strategy, "value", str(trainer.strategy))
-    ntasks, per_node = slurm.world_size(), slurm.tasks_per_node()
+    size, per_node = world.world_size, world.local_world_size
     if strategy not in ("auto", "ddp", "fsdp"):
         raise ConfigError(
-            f"trainer.strategy={strategy} cannot span the {ntasks} tasks of this SLURM step; use "
-            "trainer.strategy=ddp or fsdp (or run one task)"
+            f"trainer.strategy={strategy} cannot span the {size} ranks of {world.what}; use "
+            "trainer.strategy=ddp or fsdp (or start one process)"
         )
-    gpus, procs = int(trainer.gpus), trainer.procs
-    srun = f"srun --ntasks-per-node={per_node}"
+    gpus, procs, nodes = int(trainer.gpus), trainer.procs, int(trainer.nodes)
+    own = _per_node_flag(world, per_node)
     if procs is not None and int(procs) != per_node:
         raise ConfigError(
-            f"trainer.procs={procs}, but this SLURM step has {per_node} task(s) per node, each one "
-            f"rank ({srun}): leave trainer.procs unset, or start {procs} tasks per node "
-            f"(srun --ntasks-per-node={procs})"
+            f"trainer.procs={procs}, but {world.what} are {per_node} process(es) per node, each "
+            f"one rank ({own}): leave trainer.procs unset, or start {procs} per node "
+            f"({_per_node_flag(world, int(procs))})"
         )
     if gpus > 0 and gpus != per_node:
         raise ConfigError(
-            f"trainer.gpus={gpus}, but this SLURM step has {per_node} task(s) per node ({srun}), "
-            f"one per GPU: use srun --ntasks-per-node={gpus}, or trainer.gpus={per_node}"
+            f"trainer.gpus={gpus}, but {world.what} are {per_node} process(es) per node ({own}), "
+            f"one per GPU: start {gpus} per node ({_per_node_flag(world, gpus)}), or use "
+            f"trainer.gpus={per_node}"
         )
-    return Plan("fsdp" if strategy == "fsdp" else "ddp", per_node, slurm.nodes(), gpus)
+    if nodes != 1 and nodes != world.nodes:
+        raise ConfigError(
+            f"trainer.nodes={nodes}, but {world.what} span {world.nodes} node(s): leave "
+            "trainer.nodes unset (the launcher decides the nodes)"
+        )
+    return Plan("fsdp" if strategy == "fsdp" else "ddp", per_node, world.nodes, gpus)
+
+
+def _per_node_flag(world: World, n: int) -> str:
+    """How the launcher is told to start ``n`` ranks per node."""
+    return {"slurm": f"srun --ntasks-per-node={n}", "torchrun": f"torchrun --nproc-per-node={n}",
+            "mpi": f"mpirun --npernode {n}"}.get(world.launcher, f"LOCAL_WORLD_SIZE={n}")
 
 
 def _elastic(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
@@ -306,6 +323,8 @@ def _elastic(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
     else:
         endpoint, local_addr = str(t.rdzv_endpoint), None
         run_id = "ddpexp-" + endpoint.replace(":", "-")
+    # The workers are ddpexp's own: a process they start is no rank of another launcher.
+    env_keys[OWN_WORKER_ENV] = "1"
     for key, value in env_keys.items():
         os.environ.setdefault(key, value)
     # The agent logs each failed worker's traceback; the run's own message names the rank and
@@ -360,6 +379,7 @@ def _elastic(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
         shutil.rmtree(elastic_dir, ignore_errors=True)
+        os.environ.pop(OWN_WORKER_ENV, None)
     if watchdog.message:  # a stall the group recovered from by a restart
         log.warning("%s", watchdog.message)
     return results.get(0)
@@ -374,14 +394,12 @@ def _resume_hint(run_dir: Path, hydra_cfg: Any) -> str:
     args = " ".join([command_line_override("resume", run_dir), *map(shlex.quote, kept)])
     return (
         f"the last checkpoint is in {run_dir}/checkpoints. Continue it with:\n"
-        f"  {_srun_prefix()}python -m ddpexp {args}"
+        f"  {_command_prefix()}python -m ddpexp {args}"
     )
 
 
-def _srun_prefix() -> str:
-    """``srun --nodes=N --ntasks-per-node=T `` when SLURM started the ranks: the resumed run
-    needs the same tasks (inside an allocation, or as a job of its own)."""
-    if not slurm.step_ranks():
-        return ""
-    nodes = f"--nodes={slurm.nodes()} " if slurm.nodes() > 1 else ""
-    return f"srun {nodes}--ntasks-per-node={slurm.tasks_per_node()} "
+def _command_prefix() -> str:
+    """What starts the same ranks again (``srun ...``, ``torchrun ...``, ``mpirun ...``) when
+    another launcher started them: the resumed run needs the same ranks."""
+    world = detect()
+    return world.command_prefix() if world is not None else ""

@@ -1,20 +1,23 @@
-"""Runs whose ranks SLURM started: ``srun --ntasks-per-node=N python -m ddpexp ...``.
+"""Runs whose ranks another launcher started: ``torchrun``, ``mpirun``, ``srun``, or the
+env:// variables of a Kubernetes PyTorchJob (:mod:`ddpexp.launch.world` tells which).
 
-Each task of the step is one rank; ddpexp spawns nothing. Only global rank 0 goes through
-Hydra: it composes the config, guards and claims the run dir, writes Hydra's files and the
-log's "run dir" line once, and hands the resolved config to the other tasks through a small
-key-value store of the step (a ``TCPStore`` that rank 0 hosts at ``MASTER_ADDR:MASTER_PORT``,
-which the process group then uses too). The other tasks never look at ``sys.argv``.
+Each process is one rank; ddpexp spawns nothing. Only global rank 0 goes through Hydra: it
+composes the config, guards and claims the run dir, writes Hydra's files and the log's "run
+dir" line once, and hands the resolved config to the other ranks through a small key-value
+store they share (a ``TCPStore`` at ``MASTER_ADDR:MASTER_PORT``, hosted by rank 0, or by
+torchrun's agent, which rank 0 then joins as a client), which the process group then uses too.
+The other ranks never look at ``sys.argv``. Under torchrun, rank 0 also leaves the run dir in
+the agent's store, where the next round of a restart finds it and continues from ``last.pt``.
 
-The same store carries what one task knows about a failure to the others, since SLURM itself
-keeps a step alive until its last task has exited:
+The same store carries what one rank knows about a failure to the others, since a launcher
+may keep the others alive (SLURM keeps a step alive until its last task has exited):
 
 - a rank that raises (or whose collective breaks or times out) says so under
-  ``failed/<rank>`` and raises the step's ``abort`` flag before it exits;
+  ``failed/<rank>`` and raises the ``abort`` flag before it exits;
 - every rank runs a :class:`Listener` thread: when ``abort`` is raised and its own rank has
   not failed within a grace period, the rank is stuck (a stalled ``forward``, a DataLoader
   that never returns): it writes its Python stack into the run's log, says so under
-  ``stalled/<rank>`` and ends its process, so the step ends without ``srun -K1``;
+  ``stalled/<rank>`` and ends its process, so the launch ends without ``srun -K1``;
 - global rank 0 turns what the store holds into one message naming the ranks and their
   causes, which the run reports and records in ``metrics.json`` as ``failed``. A rank that
   died without a word (SIGKILL) is named as such; when that rank is rank 0 (the store gone
@@ -28,7 +31,7 @@ import faulthandler
 import json
 import logging
 import os
-import re
+import signal
 import sys
 import threading
 import time
@@ -38,16 +41,11 @@ from typing import Any, Callable, Optional
 
 from ddpexp.errors import ConfigError, RunFailed, RunInterrupted
 from ddpexp.launch.failures import describe_step_failure, rank_error
+from ddpexp.launch.world import World, detect
 from ddpexp.record import record_failure
 
 log = logging.getLogger("ddpexp")
 
-# SLURM_STEP_ID of a batch script's own step (and its extern step): the script is one
-# process, however many tasks the allocation has.
-_NOT_A_STEP = 0xFFFFFFF0
-# The ports derived for steps: below Linux's ephemeral range (32768-60999), from which
-# connections and the OS's "any free port" come.
-PORT_BASE, PORT_SPAN = 20000, 12000
 # How long tasks other than rank 0 wait for rank 0 to start the store and the run.
 CONNECT_TIMEOUT_S = 60.0
 PAYLOAD_TIMEOUT_S = 900.0
@@ -60,82 +58,36 @@ REPORT_WAIT_S = {"timeout": 8.0, "error": 3.0}
 EXIT_FAILED = 1
 
 
-def step_ranks() -> bool:
-    """Inside an ``srun`` step of several tasks (and not under torch elastic), SLURM has
-    already started every rank."""
-    env = os.environ
-    if "SLURM_PROCID" not in env or "TORCHELASTIC_RUN_ID" in env:
-        return False
-    try:
-        step = int(env.get("SLURM_STEP_ID", "0"))
-        return int(env.get("SLURM_NTASKS", "1")) > 1 and step < _NOT_A_STEP
-    except ValueError:
-        return False
-
-
-def rank() -> int:
-    """This task's global rank."""
-    return int(os.environ["SLURM_PROCID"])
-
-
-def world_size() -> int:
-    """The step's tasks in all: its ranks."""
-    return int(os.environ["SLURM_NTASKS"])
-
-
-def tasks_per_node() -> int:
-    """This step's tasks on this node (``SLURM_STEP_TASKS_PER_NODE`` reads e.g. ``2(x3)``)."""
-    env = os.environ
-    for key in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
-        if env.get(key):
-            return int(env[key].split("(")[0].split(",")[0])
-    return world_size()
-
-
-def nodes() -> int:
-    """The step's nodes."""
-    env = os.environ
-    return int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1")))
-
-
-def first_host(nodelist: str) -> str:
-    """The first host of a SLURM node list: ``"gpu[03-05,9],cpu1"`` -> ``"gpu03"``."""
-    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if match is None:
-        return "localhost"
-    prefix, ranges = match.groups()
-    return prefix if not ranges else prefix + ranges.split(",")[0].split("-")[0]
-
-
-def master_env() -> dict[str, str]:
-    """MASTER_ADDR/MASTER_PORT of this step, which every task computes alike without talking:
-    the first node of the step, and a port from the job id and the step id, so that two
-    steps side by side in one allocation each get their own (either can be set instead)."""
-    env = os.environ
-    out = {}
-    if "MASTER_ADDR" not in env:
-        out["MASTER_ADDR"] = first_host(env.get("SLURM_STEP_NODELIST", env.get(
-            "SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "localhost"))))
-    if "MASTER_PORT" not in env:
-        job, step = int(env.get("SLURM_JOB_ID", "0")), int(env.get("SLURM_STEP_ID", "0"))
-        out["MASTER_PORT"] = str(PORT_BASE + (job * 64 + step) % PORT_SPAN)
-    return out
-
-
-def rank_env() -> dict[str, str]:
-    """RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE as torchrun sets them, so that code that
-    reads them (a user's model, torch itself) sees the same world under srun."""
-    env = os.environ
-    return {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env["SLURM_NTASKS"],
-            "LOCAL_RANK": env.get("SLURM_LOCALID", "0"), "LOCAL_WORLD_SIZE": str(tasks_per_node())}
-
-
-def sweep_problem(args: list[str]) -> Optional[str]:
-    """A message when the command line of an srun task asks for a sweep: every job would be
-    a run of its own on the same tasks, which one step cannot give."""
+def sweep_problem(args: list[str], world: World) -> Optional[str]:
+    """A message when the command line of a rank asks for a sweep: every job would be a run
+    of its own on the same ranks, which one launch of them cannot give."""
     if any(a in ("-m", "--multirun") for a in args):
-        return ("a sweep (-m) cannot run inside an srun step, whose tasks are the ranks of one "
-                "run: run the sweep with hydra/launcher=submitit_slurm, or one srun per run")
+        if world.launcher == "slurm":
+            return ("a sweep (-m) cannot run inside an srun step, whose tasks are the ranks of "
+                    "one run: run the sweep with hydra/launcher=submitit_slurm, or one srun per run")
+        return (f"a sweep (-m) cannot run on {world.what}, which are the ranks of one run: start "
+                "the sweep with python -m ddpexp -m ... (each job fans out its own workers), or "
+                "one launch per run")
+    return None
+
+
+def fanout_keys_problem(args: list[str], world: World) -> Optional[str]:
+    """A message when the command line sets a key of ddpexp's own fan-out that the launcher
+    decides instead: restarts (``trainer.max_restarts``) and the nodes' rendezvous
+    (``trainer.rdzv_endpoint``)."""
+    from ddpexp.config.cli import SWEPT, command_line_values
+
+    values = command_line_values(args)
+    restarts = values.get("trainer.max_restarts")
+    if restarts not in (None, 0, SWEPT):
+        hint = ("torchrun --max-restarts=N" if world.launcher == "torchrun" else
+                "the launcher's own restarts (and resume=auto with a fixed hydra.run.dir)")
+        return (f"trainer.max_restarts={restarts} restarts ddpexp's own workers, but "
+                f"{world.what} were started by another launcher: use {hint}")
+    if values.get("trainer.rdzv_endpoint") not in (None, ""):
+        return (f"trainer.rdzv_endpoint is the rendezvous of ddpexp's own nodes, but "
+                f"{world.what} meet at {world.master_addr}:{world.master_port}, which the "
+                "launcher chose: leave trainer.rdzv_endpoint unset")
     return None
 
 
@@ -148,34 +100,56 @@ def quiet_torch_warnings() -> None:
 
 
 class Step:
-    """This task's handle on the step's store (rank 0 hosts it)."""
+    """This rank's handle on the store its world meets in (rank 0, or torchrun's agent, hosts it)."""
 
-    def __init__(self, store: Any, rank: int, world: int) -> None:
-        self.store, self.rank, self.world = store, rank, world
+    def __init__(self, store: Any, world: World, raw: Any = None) -> None:
+        self.store, self.world_info, self.raw = store, world, raw if raw is not None else store
+        self.rank, self.world = world.rank, world.world_size
         self.failing = threading.Event()
 
     @classmethod
-    def connect(cls) -> "Step":
-        """Host (rank 0) or join the store at this step's MASTER_ADDR:MASTER_PORT."""
+    def connect(cls, world: World) -> "Step":
+        """Host (rank 0) or join the store the ranks of ``world`` meet in. torchrun's agent
+        hosts one already: every rank joins it, and the keys of each restart round are kept
+        apart (``raw`` keeps what outlives a round: the run dir)."""
         import torch.distributed as dist
 
-        os.environ.update(master_env())
-        os.environ.update(rank_env())
-        me, world = rank(), world_size()
-        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        os.environ.update(world.env())
+        me, size = world.rank, world.world_size
+        addr, port = world.master_addr, world.master_port
+        hosts = me == 0 and not world.agent_store
         try:
-            store = dist.TCPStore(addr, port, world, is_master=me == 0,
-                                  timeout=timedelta(seconds=CONNECT_TIMEOUT_S),
-                                  wait_for_workers=False)
+            raw = dist.TCPStore(addr, port, size, is_master=hosts,
+                                timeout=timedelta(seconds=CONNECT_TIMEOUT_S),
+                                wait_for_workers=False)
         except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/DistNetworkError
             raise ConfigError(
-                f"rank {me} of this SLURM step could not {'open' if me == 0 else 'reach'} the "
-                f"step's store at {addr}:{port} ({str(exc).splitlines()[0]}). Another process may "
-                "hold that port: set MASTER_PORT to a free one for the srun") from None
-        step = cls(store, me, world)
+                f"rank {me} of {world.what} could not {'open' if hosts else 'reach'} their "
+                f"store at {addr}:{port} ({str(exc).splitlines()[0]}). Another process may "
+                "hold that port: set MASTER_PORT to a free one for every rank") from None
+        store = raw
+        if world.launcher == "torchrun":
+            store = dist.PrefixStore(f"ddpexp/{world.run_id}/round-{world.restart}", raw)
+            raw = dist.PrefixStore(f"ddpexp/{world.run_id}", raw)
+        step = cls(store, world, raw)
         if me != 0:
             step.report("joined")
         return step
+
+    def remember_run_dir(self, run_dir: str) -> None:
+        """Rank 0: keep the run dir where a later restart round of torchrun finds it."""
+        self.raw.set("run_dir", run_dir)
+
+    def earlier_run_dir(self) -> Optional[str]:
+        """The run dir an earlier restart round trained in (torchrun), if any."""
+        if self.world_info.restart == 0:
+            return None
+        try:
+            if self.raw.check(["run_dir"]):
+                return self.raw.get("run_dir").decode()
+        except Exception:  # noqa: BLE001 - a store without it
+            return None
+        return None
 
     # -------------------------------------------------------------- the run's config
     def publish(self, payload: Any) -> None:
@@ -260,7 +234,8 @@ class Step:
                 break
             time.sleep(POLL_S)
         failed, stalled = self.reports("failed"), self.reports("stalled")
-        return describe_step_failure(failed, stalled, self.world, timeout_s, log_file)
+        return describe_step_failure(failed, stalled, self.world, timeout_s, log_file,
+                                     self.world_info.whole)
 
 
 class Listener:
@@ -309,8 +284,9 @@ class Listener:
     def _dump_stack(self) -> None:
         try:
             with open(self.log_file, "a") as f:
-                f.write(f"[rank{self.step.rank}] stalled while the other ranks of the SLURM step "
-                        "waited for it; its Python stack (most recent call first):\n")
+                f.write(f"[rank{self.step.rank}] stalled while the other ranks ("
+                        f"{self.step.world_info.what}) waited for it; its Python stack (most "
+                        "recent call first):\n")
                 f.flush()
                 faulthandler.dump_traceback(file=f, all_threads=True)
         except OSError:
@@ -323,10 +299,13 @@ class Listener:
 _STEP: list[Step] = []
 
 
-def current() -> Step:
-    """This process's handle on its step's store, opened on first use."""
+def current(world: Optional[World] = None) -> Step:
+    """This process's handle on its world's store, opened on first use."""
     if not _STEP:
-        _STEP.append(Step.connect())
+        found = world or detect()
+        if found is None:
+            raise ConfigError("no launcher started the ranks of this process")
+        _STEP.append(Step.connect(found))
     return _STEP[0]
 
 
@@ -387,10 +366,15 @@ def run_rank(step: Step, payload: Any) -> Optional[dict]:
                 # Rank 0 is gone, and with it the store and the run's writer: the next rank
                 # says what it saw, once.
                 seen = {r: {"pid": os.getpid(), "cause": cause} for r in range(1, step.world)}
-                _tell(payload, describe_step_failure(seen, {}, step.world, timeout_s, payload.log_file),
+                _tell(payload, describe_step_failure(seen, {}, step.world, timeout_s, payload.log_file,
+                                      step.world_info.whole),
                       started)
             if step.rank != 0:
                 raise
+            # A launcher that ends every rank once one has exited (torchrun's agent SIGTERMs
+            # them, then SIGKILLs them 30 s later) must not end rank 0 before it has written
+            # the run's message and record: the run failed, it was not interrupted.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             raise RunFailed(step.failure_message(kind, timeout_s, payload.log_file)) from None
 
 
