@@ -36,7 +36,7 @@ def test_torchrun_comes_first_also_inside_srun_and_a_pod():
     assert (world.local_world_size, world.nodes, world.restart) == (2, 2, 1)
     # The agent hosts the store: rank 0 joins it as a client, never binding the agent's port.
     assert world.agent_store and (world.master_addr, world.master_port) == ("node0", 29411)
-    assert world.command_prefix() == "torchrun --nnodes=2 --nproc-per-node=2 "
+    assert world.command() == "torchrun --nnodes=2 --nproc-per-node=2 -m ddpexp"
 
 
 def test_mpirun_inside_an_allocation_is_mpi_not_slurm():
@@ -46,7 +46,7 @@ def test_mpirun_inside_an_allocation_is_mpi_not_slurm():
     assert world.master_addr == "127.0.0.1" and PORT_BASE <= world.master_port < PORT_BASE + PORT_SPAN
     assert detect({**OMPI, "OMPI_MCA_ess_base_jobid": "99"}).master_port != world.master_port
     assert detect({**OMPI, "MASTER_ADDR": "10.1.1.1", "MASTER_PORT": "24000"}).master_port == 24000
-    assert world.command_prefix() == "mpirun -np 2 "
+    assert world.command() == "mpirun -np 2 python -m ddpexp"
 
 
 def test_mpich_variables_are_mpi_too():
@@ -65,7 +65,7 @@ def test_srun_then_env_vars_then_nobody():
     world = detect(PYTORCHJOB)
     assert (world.launcher, world.rank, world.world_size, world.nodes) == ("env", 2, 3, 3)
     assert (world.master_addr, world.master_port, world.agent_store) == ("job-master-0", 23456, False)
-    assert world.command_prefix() == ""
+    assert world.command() == "python -m ddpexp"
     assert detect({}) is None
     assert detect({**PYTORCHJOB, "WORLD_SIZE": "1", "RANK": "0"}) is None  # one process: no world
     # A process started by one of ddpexp's own workers is no rank of a launcher's world.

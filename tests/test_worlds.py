@@ -60,7 +60,7 @@ def test_torchrun_on_one_node_is_one_run(workdir):
                         f"--master-port={free_port()}", "-m", "ddpexp", *TINY], workdir), 240)
     assert res.returncode == 0, res.output
     assert not res.leftovers
-    assert "2 worker(s) (torchrun's workers): strategy=ddp" in res.output
+    assert "2 worker(s) (torchrun workers): strategy=ddp" in res.output
     one_run(workdir, 2)
 
 
@@ -87,7 +87,7 @@ def test_pytorchjob_variables_are_one_run(workdir):
                    RANK=str(r), MASTER_ADDR="127.0.0.1", MASTER_PORT=port) for r in range(2)]
     results = [finish(p, 240) for p in ranks]
     assert all(r.returncode == 0 for r in results), [r.output for r in results]
-    assert "(the ranks of WORLD_SIZE/RANK (env://))" in results[0].output
+    assert "2 worker(s) (env:// ranks)" in results[0].output
     one_run(workdir, 2)
 
 
@@ -112,7 +112,7 @@ def test_mpirun_is_one_run(workdir, mpirun):
                         sys.executable, "-m", "ddpexp", *TINY], workdir), 240)
     assert res.returncode == 0, res.output
     assert not res.leftovers
-    assert "(the MPI job's ranks)" in res.output
+    assert "2 worker(s) (MPI ranks)" in res.output
     one_run(workdir, 2)
 
 

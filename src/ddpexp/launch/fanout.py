@@ -155,7 +155,7 @@ def run(cfg: DictConfig) -> Optional[float]:
     )
     log.info("run dir: %s", run_dir)
     log.info("%d worker(s)%s: strategy=%s, %s", plan.world_size,
-             f" ({world.what})" if world is not None else "", plan.strategy,
+             f" ({world.label})" if world is not None else "", plan.strategy,
              f"{plan.gpus} GPU(s) per node" if plan.gpus else "CPU")
     if resume is None and cfg.resume == "auto":
         log.info("resume=auto: no checkpoint in %s, starting from scratch", run_dir / "checkpoints")
@@ -394,12 +394,13 @@ def _resume_hint(run_dir: Path, hydra_cfg: Any) -> str:
     args = " ".join([command_line_override("resume", run_dir), *map(shlex.quote, kept)])
     return (
         f"the last checkpoint is in {run_dir}/checkpoints. Continue it with:\n"
-        f"  {_command_prefix()}python -m ddpexp {args}"
+        f"  {_command()} {args}"
     )
 
 
-def _command_prefix() -> str:
-    """What starts the same ranks again (``srun ...``, ``torchrun ...``, ``mpirun ...``) when
-    another launcher started them: the resumed run needs the same ranks."""
+def _command() -> str:
+    """The command that starts this run's ranks again, up to its overrides: ``python -m
+    ddpexp``, or the launcher's (``srun ...``, ``torchrun ... -m ddpexp``, ``mpirun ...``) when
+    another launcher started them, since the resumed run needs the same ranks."""
     world = detect()
-    return world.command_prefix() if world is not None else ""
+    return world.command() if world is not None else "python -m ddpexp"

@@ -63,22 +63,29 @@ class World:
                 "env": "the ranks of WORLD_SIZE/RANK (env://)"}[self.launcher]
 
     @property
+    def label(self) -> str:
+        """The workers, as the run's first lines count them: "2 worker(s) (SLURM tasks)"."""
+        return {"torchrun": "torchrun workers", "mpi": "MPI ranks", "slurm": "SLURM tasks",
+                "env": "env:// ranks"}[self.launcher]
+
+    @property
     def whole(self) -> str:
         """What stops when a rank fails: "the whole SLURM step", "the whole run"."""
         return "the whole SLURM step" if self.launcher == "slurm" else "the whole run"
 
-    def command_prefix(self) -> str:
-        """What starts the same ranks again, before ``python -m ddpexp``."""
+    def command(self) -> str:
+        """What starts the same ranks again, up to the overrides: ``srun ... python -m
+        ddpexp``, ``torchrun ... -m ddpexp``, ``mpirun -np N python -m ddpexp``."""
         nodes = f"--nodes={self.nodes} " if self.nodes > 1 else ""
         if self.launcher == "slurm":
-            return f"srun {nodes}--ntasks-per-node={self.local_world_size} "
+            return f"srun {nodes}--ntasks-per-node={self.local_world_size} python -m ddpexp"
         if self.launcher == "mpi":
-            return f"mpirun -np {self.world_size} "
+            return f"mpirun -np {self.world_size} python -m ddpexp"
         if self.launcher == "torchrun":
-            nodes = f"--nnodes={self.nodes} " if self.nodes > 1 else ""
             # Several nodes need the rendezvous flags they were started with, on each node.
-            return f"torchrun {nodes}--nproc-per-node={self.local_world_size} "
-        return ""
+            nodes = f"--nnodes={self.nodes} " if self.nodes > 1 else ""
+            return f"torchrun {nodes}--nproc-per-node={self.local_world_size} -m ddpexp"
+        return "python -m ddpexp"
 
     def env(self) -> dict[str, str]:
         """RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT as torchrun
