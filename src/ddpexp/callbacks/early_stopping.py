@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from ddpexp.callbacks.base import LATE, Callback
 from ddpexp.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ddpexp.training.trainer import Trainer
 
 
 log = logging.getLogger("ddpexp")
@@ -38,11 +41,11 @@ class EarlyStopping(Callback):
         self.best: Optional[float] = None
         self.bad_epochs = 0
 
-    def setup(self, trainer: "Trainer") -> None:
+    def setup(self, trainer: Trainer) -> None:
         self.monitor = self.monitor or trainer.monitor
         self.mode = self.mode or trainer.monitor_mode
 
-    def on_train_epoch_end(self, trainer: "Trainer", metrics: Mapping[str, float]) -> None:
+    def on_train_epoch_end(self, trainer: Trainer, metrics: Mapping[str, float]) -> None:
         if self.monitor not in metrics:
             raise ConfigError(f"callbacks.early_stopping.monitor={self.monitor} is not a validation "
                               f"metric of the run ({', '.join(metrics)})")
