@@ -156,8 +156,8 @@ def format_table(rows: Sequence[tuple[str, Optional[dict], Optional[str]]]) -> s
     if not any(c[-1] for c in cells):
         titles, cells = titles[:-1], [c[:-1] for c in cells]
     widths = [max(len(t), *(len(c[i]) for c in cells)) for i, t in enumerate(titles)]
-    lines = ["  ".join(t.ljust(w) for t, w in zip(titles, widths)).rstrip()]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    lines = ["  ".join(t.ljust(w) for t, w in zip(titles, widths, strict=True)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
     return "\n".join(lines) + "\n"
 
 

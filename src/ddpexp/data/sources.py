@@ -4,6 +4,7 @@ text file of characters."""
 
 from __future__ import annotations
 
+import itertools
 import pickle
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
@@ -480,7 +481,7 @@ class Text(DataSource):
         bounds = [0, n - n_val - n_test, n - n_test, n]
         strides = [self.train_stride, t, t]
         parts = []
-        for (lo, hi), stride, name in zip(zip(bounds, bounds[1:]), strides, ("train", "val", "test")):
+        for (lo, hi), stride, name in zip(itertools.pairwise(bounds), strides, ("train", "val", "test"), strict=True):
             if hi - lo < t + 1 and not (name == "test" and hi == lo):
                 raise ConfigError(
                     f"data=text: the {name} part of {self.path} has {hi - lo} tokens, fewer than "

@@ -33,7 +33,7 @@ from ddpexp.config.monitor import resolve_monitor
 from ddpexp.record import read_metrics_or_empty
 from ddpexp.sweep import pool as sweep_pool
 from hydra_plugins.ddpexp_launcher.ddp_launcher import DdpLauncher
-from ddpexp.sweep import space
+from ddpexp.sweep import space as sweep_space
 
 log = logging.getLogger("hydra_plugins.ddpexp_optuna_sweeper")
 
@@ -56,7 +56,7 @@ def run(sweeper: Any, arguments: List[str]) -> Optional[dict]:
     if not isinstance(launcher, DdpLauncher):
         raise ConfigError("hydra/sweeper=optuna_async starts its trials on ddpexp's launcher: "
                           f"use hydra/launcher=ddp (this sweep has {type(launcher).__name__})")
-    fixed, space = space.parse(arguments, sweeper.params)
+    fixed, space = sweep_space.parse(arguments, sweeper.params)
     if not space:
         raise ConfigError("hydra/sweeper=optuna_async needs a search space: e.g. "
                           "'optimizer.lr=tag(log,interval(1e-4,1e-1))' or "
@@ -100,7 +100,7 @@ def _sampler(spec: Dict[str, Any], space: Dict[str, Any]) -> Any:
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if name == "grid":
-        return optuna.samplers.GridSampler(space.grid(space), seed=seed)
+        return optuna.samplers.GridSampler(sweep_space.grid(space), seed=seed)
     raise ConfigError(f"hydra.sweeper.sampler.name={name} is not one of {', '.join(SAMPLERS)}")
 
 
@@ -152,7 +152,8 @@ class _Search:
         done = sum(t.state.is_finished() for t in trials)
         n_trials = int(self.sweeper.n_trials)
         if str(self.sweeper.sampler.get("name", "tpe")).lower() == "grid":
-            n_trials = min(n_trials, math.prod(len(v) for v in space.grid(self.space).values()))
+            grid = sweep_space.grid(self.space)
+            n_trials = min(n_trials, math.prod(len(v) for v in grid.values()))
         self.to_ask = max(0, n_trials - done - len(self.cut_off))
         log.info("optuna_async: study %r in %s: %d trial(s) done before, %d to resume, %d to "
                  "ask, up to %d at once", self.study.study_name, self.sweep_dir / JOURNAL, done,
@@ -214,7 +215,7 @@ class _Search:
     def _job(self, trial: Any) -> sweep_pool.Job:
         """The job of ``trial`` (asked now, or cut off before): its parameters as overrides
         after the fixed ones, job number and dir = the trial's number."""
-        overrides = self.fixed + space.as_overrides(trial.params)
+        overrides = self.fixed + sweep_space.as_overrides(trial.params)
         job = sweep_pool.prepare(self.launcher, overrides, trial.number, self.sweep_dir)
         job.env = pruning.trial_env(str(self.sweep_dir / JOURNAL), self.study.study_name,
                                     trial._trial_id, self.sweeper.pruner)
@@ -280,8 +281,8 @@ class _Search:
         (self.sweep_dir / RESULTS).write_text(yaml.safe_dump(results, sort_keys=False))
         log.info("best of %d trial(s) (%s): trial %d, %s = %.4f\n  %s\n(written to %s)",
                  len(trials), ", ".join(f"{n} {k}" for k, n in counts.items() if n),
-                 best.number, self.monitor, best.value, " ".join(space.as_overrides(best.params)),
-                 self.sweep_dir / RESULTS)
+                 best.number, self.monitor, best.value,
+                 " ".join(sweep_space.as_overrides(best.params)), self.sweep_dir / RESULTS)
         return {"number": best.number, "params": dict(best.params), "value": best.value}
 
 

@@ -61,7 +61,7 @@ class Agreement:
         if signal:
             self.interrupted = True
         if any(requested) and self.status is None:
-            self._agree_stop(next(s for s, n in zip(STOP_STATUSES, requested) if n))
+            self._agree_stop(next(s for s, n in zip(STOP_STATUSES, requested, strict=True) if n))
         own = meter.value("loss") if nonfinite_count else None  # a host sync, once
         self.divergence.check(nonfinite_count, loss_sum, seen, own, step, epoch)
         return sums
