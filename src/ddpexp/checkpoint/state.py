@@ -64,7 +64,7 @@ def gather(trainer: Trainer) -> Optional[dict]:
     mine = {"rng": rng_state(), "train_accum": trainer.train_means.state_dict()}
     ranks = [mine]
     if trainer.world_size > 1:
-        ranks = [None] * trainer.world_size
+        ranks: list[Any] = [None] * trainer.world_size
         dist.all_gather_object(ranks, mine)
     strategy = trainer.strategy
     if not trainer.is_main and not strategy.sharded:

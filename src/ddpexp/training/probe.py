@@ -4,7 +4,7 @@ parts that do not fit together fail in seconds with a message instead of after a
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sized, cast
 
 import torch
 from torch import nn
@@ -28,10 +28,10 @@ def check_task(trainer: Trainer) -> list[str]:
     """Run the task's checks and one training step's forward on a batch of training samples,
     then its validation step on two validation samples; return the validation metric names.
     A ``trainer.monitor`` the task does not return is refused here."""
-    if len(trainer.val_ds) == 0:
+    if len(cast(Sized, trainer.val_ds)) == 0:
         raise ConfigError("the validation split is empty; give the data a larger val share")
     check_batch(trainer)
-    probe = trainer.to_device(default_collate([trainer.val_ds[i] for i in range(min(2, len(trainer.val_ds)))]))
+    probe = trainer.to_device(default_collate([trainer.val_ds[i] for i in range(min(2, len(cast(Sized, trainer.val_ds))))]))
     with torch.random.fork_rng(devices=[]), torch.no_grad(), trainer.autocast():
         trainer.module.eval()
         out = trainer.task.validation_step(trainer.module, probe)
@@ -81,7 +81,7 @@ def check_batch(trainer: Trainer) -> None:
     back to that layout (trainer.channels_last=null, one warning) or is refused (=true,
     naming the key)."""
     dataset = trainer.train_sampler.dataset
-    batch = default_collate([dataset[i] for i in range(min(PROBE_SAMPLES, len(dataset)))])
+    batch = default_collate([dataset[i] for i in range(min(PROBE_SAMPLES, len(cast(Sized, dataset))))])
     failure = None
     try:
         out = _probe(trainer, batch)
@@ -141,7 +141,7 @@ def check_sample_shape(data_cfg: dict, train: Dataset) -> None:
     """``data.shape`` is what the models read their input size from: it must be the shape
     of the data's samples (where a sample is an (input tensor, target) pair)."""
     shape = data_cfg.get("shape")
-    if not isinstance(shape, (list, tuple)) or len(train) == 0:
+    if not isinstance(shape, (list, tuple)) or len(cast(Sized, train)) == 0:
         return
     sample = train[0]
     if not (isinstance(sample, (tuple, list)) and sample and isinstance(sample[0], torch.Tensor)):
