@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Literal, Optional, cast
 
 import yaml
 from hydra.core.utils import JobReturn, JobStatus
@@ -76,7 +76,7 @@ def _monitored(config: Any) -> tuple:
                            OmegaConf.select(config, "trainer.monitor_mode", default=None))
 
 
-def _direction(sweeper: Any, config: Any) -> str:
+def _direction(sweeper: Any, config: Any) -> Literal["maximize", "minimize"]:
     """``hydra.sweeper.direction``, or what the monitored metric's mode implies."""
     direction = sweeper.direction
     if direction is None:
@@ -85,7 +85,7 @@ def _direction(sweeper: Any, config: Any) -> str:
     if direction not in DIRECTIONS:
         raise ConfigError(f"hydra.sweeper.direction={direction} is not one of "
                           f"{', '.join(DIRECTIONS)} (or null: from trainer.monitor_mode)")
-    return direction
+    return cast(Literal["maximize", "minimize"], direction)  # one of DIRECTIONS
 
 
 def _sampler(spec: Dict[str, Any], space: Dict[str, Any]) -> Any:
