@@ -102,7 +102,7 @@ def resnet18(input_shape: Sequence[int], num_classes: int) -> nn.Module:
     elif channels != 3:
         model.conv1 = nn.Conv2d(channels, 64, 7, stride=2, padding=3, bias=False)
     # torchvision flattens the pooled 1x1 map.
-    model.channels_last_safe = True  # pyright: ignore[reportAttributeAccessIssue]  # a flag, not a tensor or module
+    model.channels_last_safe = True  # pyright: ignore[reportArgumentType]  # a flag, not a tensor or module
     return model
 
 

@@ -188,4 +188,4 @@ def _two_way(index: np.ndarray, fraction: float, seed: int,
         if counts.min() < 2 or held < len(counts) or len(index) - held < len(counts):
             labels = None
     kept, held_out = train_test_split(index, test_size=held, random_state=seed, stratify=labels)
-    return kept, held_out
+    return np.asarray(kept), np.asarray(held_out)  # arrays already: typed as a union
