@@ -47,6 +47,7 @@ sweeper in batches of ``max_parallel`` (how a batch sweeper such as hydra-optuna
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -161,7 +162,8 @@ class Results:
         """``runner``'s figure over the plain loop's from the same round, round by round:
         a drift of the machine between rounds cancels within each pair."""
         mine, theirs = self.runs.get((case, runner), []), self.runs.get((case, "plain"), [])
-        return [getattr(a, attr) / getattr(b, attr) for a, b in zip(mine, theirs)
+        # Every round runs every runner of a case once: the two lists pair up exactly.
+        return [getattr(a, attr) / getattr(b, attr) for a, b in zip(mine, theirs, strict=True)
                 if getattr(a, attr) and getattr(b, attr)]
 
 
@@ -303,23 +305,27 @@ def table(cases: list[Case], res: Results, repeats: int, peers: bool = False) ->
     ]
     for case in cases:
         for runner in runners_for(case, peers):
-            m = lambda attr: res.median(case.name, runner, attr)  # noqa: E731
-            p = lambda attr: res.median(case.name, "plain", attr)  # noqa: E731
-
-            def ratio(attr: str) -> str:
-                if runner == "plain":
-                    return "-"
-                mine, theirs = m(attr), p(attr)
-                return _fmt(mine / theirs if mine and theirs else None, 3)
-
-            rate = _fmt(m("samples_per_s"), 0) if case.steady else "-"
-            first = "-" if case.jobs > 1 else _fmt(m("first_step_s"))
-            label = f"{case.name} ({describe(case)})"
-            lines.append(
-                f"| {label} | {runner} | {rate} | {ratio('samples_per_s') if case.steady else '-'} | "
-                f"{_fmt(m('wall_s'))} | {ratio('wall_s')} | {first} | "
-                f"{_fmt(m('max_rss_mib'), 0)} | {ratio('max_rss_mib')} |")
+            lines.append(_row(case, runner, res))
     return "\n".join(lines)
+
+
+def _row(case: Case, runner: str, res: Results) -> str:
+    """The table's row of one case and runner."""
+    m = functools.partial(res.median, case.name, runner)
+    p = functools.partial(res.median, case.name, "plain")
+
+    def ratio(attr: str) -> str:
+        if runner == "plain":
+            return "-"
+        mine, theirs = m(attr), p(attr)
+        return _fmt(mine / theirs if mine and theirs else None, 3)
+
+    rate = _fmt(m("samples_per_s"), 0) if case.steady else "-"
+    first = "-" if case.jobs > 1 else _fmt(m("first_step_s"))
+    label = f"{case.name} ({describe(case)})"
+    return (f"| {label} | {runner} | {rate} | {ratio('samples_per_s') if case.steady else '-'} | "
+            f"{_fmt(m('wall_s'))} | {ratio('wall_s')} | {first} | "
+            f"{_fmt(m('max_rss_mib'), 0)} | {ratio('max_rss_mib')} |")
 
 
 def describe(case: Case) -> str:
@@ -336,8 +342,8 @@ def verdicts(cases: list[Case], res: Results) -> list[str]:
     """One line per target: the figure, the target, met or not."""
     out = []
     for case in cases:
-        d = lambda attr: res.median(case.name, "ddpexp", attr)  # noqa: E731
-        p = lambda attr: res.median(case.name, "plain", attr)  # noqa: E731
+        d = functools.partial(res.median, case.name, "ddpexp")
+        p = functools.partial(res.median, case.name, "plain")
         if case.name in TARGETS and d("samples_per_s") and p("samples_per_s"):
             ratio = d("samples_per_s") / p("samples_per_s")
             goal = TARGETS[case.name]
@@ -345,7 +351,7 @@ def verdicts(cases: list[Case], res: Results) -> list[str]:
             pairs = res.paired(case.name, "ddpexp", "samples_per_s")
             out.append(f"{case.name}: samples/s ratio {ratio:.3f} (target >= {goal}): "
                        + ("met" if ratio >= goal else "NOT met")
-                       + f"; on the plain loop's DataLoader pipeline "
+                       + "; on the plain loop's DataLoader pipeline "
                        + _fmt(dl / p("samples_per_s") if dl else None, 3)
                        + f"; round by round {statistics.median(pairs):.3f} "
                        f"(median of {len(pairs)}, from {min(pairs):.3f} to {max(pairs):.3f})")

@@ -119,7 +119,8 @@ def main(argv=None) -> None:
             trainer.loggers.finalize("completed")
 
     mine, theirs = ddpexp_times[2:], plain_times[2:]  # the first chunks warm both up
-    ratios = [a / b for a, b in zip(mine, theirs)]
+    # Interleaved times a ddpexp chunk only when it runs a plain one after it: equal lengths.
+    ratios = [a / b for a, b in zip(mine, theirs, strict=True)]
     loader = "DataLoader" if args.dataloader else "default loader"
     print(f"{args.model}, batch {args.batch_size}, ddpexp ({loader}) vs plain loop, "
           f"{len(ratios)} alternating chunks of {k} steps, one process, one thread")

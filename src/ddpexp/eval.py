@@ -18,7 +18,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, cast
 
 from ddpexp.checkpoint import io as ckpt_io
 from ddpexp.errors import CheckpointError, ConfigError, DdpexpError
@@ -74,7 +74,7 @@ def apply_overrides(config: dict, overrides: Sequence[str]) -> tuple[dict, str]:
         except OmegaConfBaseException as exc:
             raise ConfigError(f"override {item}: {exc}") from None
         given.add(key)
-    plain = OmegaConf.to_container(cfg, resolve=True)
+    plain = cast(dict, OmegaConf.to_container(cfg, resolve=True))  # a DictConfig's: a dict
     trainer = plain["trainer"]
     # The stored strategy was resolved for the training run's workers; decide it afresh
     # for the workers asked for now, and never restart an evaluation.
@@ -156,8 +156,8 @@ def format_table(rows: Sequence[tuple[str, Optional[dict], Optional[str]]]) -> s
     if not any(c[-1] for c in cells):
         titles, cells = titles[:-1], [c[:-1] for c in cells]
     widths = [max(len(t), *(len(c[i]) for c in cells)) for i, t in enumerate(titles)]
-    lines = ["  ".join(t.ljust(w) for t, w in zip(titles, widths)).rstrip()]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    lines = ["  ".join(t.ljust(w) for t, w in zip(titles, widths, strict=True)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
     return "\n".join(lines) + "\n"
 
 
@@ -168,7 +168,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
-        print(USAGE + "\n\n" + __doc__.split("\n\n", 1)[1], file=sys.stdout if args else sys.stderr)
+        print(USAGE + "\n\n" + (__doc__ or "\n\n").split("\n\n", 1)[1], file=sys.stdout if args else sys.stderr)
         return 0 if args else 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     path, overrides = Path(args[0]), args[1:]

@@ -98,10 +98,11 @@ def resnet18(input_shape: Sequence[int], num_classes: int) -> nn.Module:
     model = tv_resnet18(weights=None, num_classes=num_classes)
     if spatial and min(spatial) < 64:
         model.conv1 = nn.Conv2d(channels, 64, 3, stride=1, padding=1, bias=False)
-        model.maxpool = nn.Identity()
+        model.maxpool = nn.Identity()  # pyright: ignore[reportAttributeAccessIssue]  # forward() calls any module here
     elif channels != 3:
         model.conv1 = nn.Conv2d(channels, 64, 7, stride=2, padding=3, bias=False)
-    model.channels_last_safe = True  # torchvision flattens the pooled 1x1 map
+    # torchvision flattens the pooled 1x1 map.
+    model.channels_last_safe = True  # pyright: ignore[reportArgumentType]  # a flag, not a tensor or module
     return model
 
 

@@ -27,11 +27,11 @@ def plot_curves(runs: Sequence[tuple[str, Path]], out: Path, tags: Sequence[str]
     Returns the number of runs that had a curve to draw."""
     fig, axes = _figure(tags)
     drawn = set()
-    for ax, tag in zip(axes[0], tags):
+    for ax, tag in zip(axes[0], tags, strict=True):
         for label, run_dir in runs:
             points = read_curve(run_dir, tag)
             if points:
-                steps, values = zip(*points)
+                steps, values = zip(*points, strict=True)
                 ax.plot(steps, values, marker="o", markersize=3, label=label)
                 drawn.add(str(run_dir))
     _save(fig, axes, out)
@@ -62,15 +62,15 @@ def plot_groups(groups: Sequence[tuple[str, Sequence[Path]]], out: Path,
     groups that had a curve to draw."""
     fig, axes = _figure(tags)
     drawn = set()
-    for ax, tag in zip(axes[0], tags):
+    for ax, tag in zip(axes[0], tags, strict=True):
         for label, dirs in groups:
             points = mean_curve(dirs, tag)
             if not points:
                 continue
-            steps, means, stds, counts = zip(*points)
+            steps, means, stds, counts = zip(*points, strict=True)
             line, = ax.plot(steps, means, marker="o", markersize=3, label=f"{label} (n={max(counts)})")
-            ax.fill_between(steps, [m - s for m, s in zip(means, stds)],
-                            [m + s for m, s in zip(means, stds)], color=line.get_color(), alpha=0.2)
+            ax.fill_between(steps, [m - s for m, s in zip(means, stds, strict=True)],
+                            [m + s for m, s in zip(means, stds, strict=True)], color=line.get_color(), alpha=0.2)
             drawn.add(label)
     _save(fig, axes, out)
     return len(drawn)
@@ -83,7 +83,7 @@ def _figure(tags: Sequence[str]):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(tags), figsize=(6 * len(tags), 4.2), squeeze=False)
-    for ax, tag in zip(axes[0], tags):
+    for ax, tag in zip(axes[0], tags, strict=True):
         ax.set_title(tag)
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)

@@ -180,8 +180,8 @@ def _render(titles: Sequence[str], cells: Sequence[Sequence[str]], fmt: str) -> 
         return "\n".join(lines) + "\n"
     widths = [max(len(t), *(len(row[i]) for row in cells)) if cells else len(t)
               for i, t in enumerate(titles)]
-    lines = ["  ".join(t.ljust(w) for t, w in zip(titles, widths)).rstrip()]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    lines = ["  ".join(t.ljust(w) for t, w in zip(titles, widths, strict=True)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
     return "\n".join(lines) + "\n"
 
 

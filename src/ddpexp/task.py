@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -216,10 +216,11 @@ class Classification(Task):
     def split_metrics(self) -> dict[str, Any]:
         from torchmetrics.classification import MulticlassAUROC, MulticlassF1Score
 
+        classes = cast(int, self.num_classes)  # __init__ refuses metrics without it
         # validate_args=False: the checks compare values on the host, a sync per batch.
         build = {
-            "f1": lambda: MulticlassF1Score(self.num_classes, average="macro", validate_args=False),
-            "auroc": lambda: MulticlassAUROC(self.num_classes, average="macro",
+            "f1": lambda: MulticlassF1Score(classes, average="macro", validate_args=False),
+            "auroc": lambda: MulticlassAUROC(classes, average="macro",
                                              thresholds=self.thresholds, validate_args=False),
         }
         return {name: build[name]() for name in self.metric_names}

@@ -12,13 +12,16 @@ evaluates or saves them, user callbacks in the middle, early stopping after them
 checkpoint last, so that a checkpoint holds the state every other callback reached in its
 epoch (a resume then starts exactly where the run was).
 
-``"Trainer"`` in the signatures is :class:`ddpexp.training.trainer.Trainer`, which imports this module
-(so this one does not import it).
+``Trainer`` in the signatures is :class:`ddpexp.training.trainer.Trainer`, which imports this module
+(so this one imports it only for the type checker).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+
+if TYPE_CHECKING:
+    from ddpexp.training.trainer import Trainer
 
 
 # The events a callback may implement, in the order a run fires them. The first block is
@@ -56,45 +59,45 @@ class Callback:
     #: False leaves the callback out of the run (a built-in one whose key is null).
     enabled: bool = True
 
-    def setup(self, trainer: "Trainer") -> None:
+    def setup(self, trainer: Trainer) -> None:
         """Once, when the trainer has been built (before a resume is loaded)."""
 
-    def on_fit_start(self, trainer: "Trainer") -> None:
+    def on_fit_start(self, trainer: Trainer) -> None:
         """Before the first step, after a resume has been loaded."""
 
-    def on_train_epoch_start(self, trainer: "Trainer") -> None:
+    def on_train_epoch_start(self, trainer: Trainer) -> None:
         """Before an epoch's first batch (also the resumed part of an epoch)."""
 
-    def on_before_optimizer_step(self, trainer: "Trainer") -> None:
+    def on_before_optimizer_step(self, trainer: Trainer) -> None:
         """The gradients of the step are complete (unscaled, reduced), before the step."""
 
-    def on_train_batch_end(self, trainer: "Trainer") -> None:
+    def on_train_batch_end(self, trainer: Trainer) -> None:
         """After each optimizer step (``trainer.step`` counts it already)."""
 
-    def on_validation_start(self, trainer: "Trainer") -> None:
+    def on_validation_start(self, trainer: Trainer) -> None:
         """Before an epoch's validation."""
 
-    def on_validation_end(self, trainer: "Trainer", metrics: Mapping[str, float]) -> None:
+    def on_validation_end(self, trainer: Trainer, metrics: Mapping[str, float]) -> None:
         """After an epoch's validation: ``metrics`` is ``{"val/<name>": value}``, the same on
         every rank."""
 
-    def on_train_epoch_end(self, trainer: "Trainer", metrics: Mapping[str, float]) -> None:
+    def on_train_epoch_end(self, trainer: Trainer, metrics: Mapping[str, float]) -> None:
         """After the epoch's validation, before its checkpoint."""
 
-    def on_fit_end(self, trainer: "Trainer", result: Mapping[str, Any]) -> None:
+    def on_fit_end(self, trainer: Trainer, result: Mapping[str, Any]) -> None:
         """After the test of ``best.pt``; ``result`` is what ``metrics.json`` holds."""
 
-    def on_exception(self, trainer: "Trainer", exc: BaseException) -> None:
+    def on_exception(self, trainer: Trainer, exc: BaseException) -> None:
         """The run failed (on the rank that raised) or was interrupted by a signal (on every
         rank, with a :class:`~ddpexp.training.signals.Interrupted`). Run no collective for a failure:
         the other ranks may be gone."""
 
-    def on_save_checkpoint(self, trainer: "Trainer", checkpoint: dict) -> None:
+    def on_save_checkpoint(self, trainer: Trainer, checkpoint: dict) -> None:
         """Before ``checkpoint`` (the dict about to be written) is saved: on rank 0, or on
         every rank under ``strategy=fsdp``, where each rank writes its shards (its
         ``"model"`` then holds this rank's shards of the weights)."""
 
-    def on_load_checkpoint(self, trainer: "Trainer", checkpoint: dict) -> None:
+    def on_load_checkpoint(self, trainer: Trainer, checkpoint: dict) -> None:
         """Every rank, when a checkpoint is resumed, before the trainer reads its weights."""
 
     def state_dict(self) -> dict:

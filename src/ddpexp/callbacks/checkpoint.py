@@ -12,7 +12,7 @@ the same weights and reaches the same verdict, and the run then stops as diverge
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from ddpexp.checkpoint import io as ckpt_io
 from ddpexp.callbacks.base import LAST, Callback
@@ -20,6 +20,9 @@ from ddpexp.errors import ConfigError
 from ddpexp.training.signals import Interrupted
 from ddpexp.checkpoint.topk import TopK
 from ddpexp.launch.watchdog import CHECKPOINT
+
+if TYPE_CHECKING:
+    from ddpexp.training.trainer import Trainer
 
 
 log = logging.getLogger("ddpexp")
@@ -37,12 +40,12 @@ class ModelCheckpoint(Callback):
         self.save_top_k, self.every_n_steps = save_top_k, every_n_steps
         self.top_k: Optional[TopK] = None
 
-    def setup(self, trainer: "Trainer") -> None:
+    def setup(self, trainer: Trainer) -> None:
         self.dir = trainer.run_dir / "checkpoints"
         if self.save_top_k:
             self.top_k = TopK(self.save_top_k, trainer.monitor, trainer.monitor_mode)
 
-    def on_fit_start(self, trainer: "Trainer") -> None:
+    def on_fit_start(self, trainer: Trainer) -> None:
         if not trainer.is_main:
             return
         removed = ckpt_io.remove_stale_temporaries(self.dir)
@@ -54,7 +57,7 @@ class ModelCheckpoint(Callback):
                 log.warning("trainer.save_top_k: %s in %s are not in the resumed ranking and are "
                             "left alone", ", ".join(strays), self.dir)
 
-    def on_train_batch_end(self, trainer: "Trainer") -> None:
+    def on_train_batch_end(self, trainer: Trainer) -> None:
         every = self.every_n_steps
         # The epoch's last step is saved at its end, validated; leaving it early saves too.
         if not every or trainer.step % every or trainer.batch >= trainer.batches_per_epoch \
@@ -64,16 +67,16 @@ class ModelCheckpoint(Callback):
         if not trainer.diverged:
             self.save(trainer)
 
-    def on_train_epoch_end(self, trainer: "Trainer", metrics: Mapping[str, float]) -> None:
+    def on_train_epoch_end(self, trainer: Trainer, metrics: Mapping[str, float]) -> None:
         ranked = (metrics[trainer.monitor], trainer.epoch) if self.top_k is not None else None
         self.save(trainer, best=trainer.improved, ranked=ranked)
 
-    def on_exception(self, trainer: "Trainer", exc: BaseException) -> None:
+    def on_exception(self, trainer: Trainer, exc: BaseException) -> None:
         # A signal: every rank agreed on it, so every rank takes part in the save.
         if isinstance(exc, Interrupted) and trainer.last_saved_step != trainer.step:
             self.save(trainer)
 
-    def save(self, trainer: "Trainer", best: bool = False,
+    def save(self, trainer: Trainer, best: bool = False,
              ranked: Optional[tuple[float, int]] = None) -> None:
         """Every rank contributes its state; rank 0 writes last.pt (and best.pt, and the
         top-k file of a validation ``ranked`` = (value, epoch) that makes the top k). Files

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional, cast
 
 from ddpexp.callbacks.base import LATE, Callback
 from ddpexp.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ddpexp.training.trainer import Trainer
 
 
 log = logging.getLogger("ddpexp")
@@ -38,22 +41,22 @@ class EarlyStopping(Callback):
         self.best: Optional[float] = None
         self.bad_epochs = 0
 
-    def setup(self, trainer: "Trainer") -> None:
+    def setup(self, trainer: Trainer) -> None:
         self.monitor = self.monitor or trainer.monitor
         self.mode = self.mode or trainer.monitor_mode
 
-    def on_train_epoch_end(self, trainer: "Trainer", metrics: Mapping[str, float]) -> None:
+    def on_train_epoch_end(self, trainer: Trainer, metrics: Mapping[str, float]) -> None:
         if self.monitor not in metrics:
             raise ConfigError(f"callbacks.early_stopping.monitor={self.monitor} is not a validation "
                               f"metric of the run ({', '.join(metrics)})")
-        value = float(metrics[self.monitor])
+        value = float(metrics[cast(str, self.monitor)])  # set by setup()
         sign = 1.0 if self.mode == "max" else -1.0
         if math.isfinite(value) and (self.best is None
                                      or sign * (value - self.best) > self.min_delta):
             self.best, self.bad_epochs = value, 0
         else:
             self.bad_epochs += 1
-        if self.bad_epochs >= self.patience:
+        if self.bad_epochs >= cast(int, self.patience):  # enabled: patience is set
             trainer.request_stop(f"early stop: {self.monitor} did not improve for "
                                  f"{self.patience} epochs", status="early_stopped")
 

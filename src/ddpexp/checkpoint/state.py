@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -48,20 +48,23 @@ from ddpexp.checkpoint import io as ckpt_io
 from ddpexp.strategies.dist import rng_state, set_rng_state
 from ddpexp.errors import ConfigError
 
+if TYPE_CHECKING:
+    from ddpexp.training.trainer import Trainer
+
 
 log = logging.getLogger("ddpexp")
 
 FORMAT = 3
 
 
-def gather(trainer: "Trainer") -> Optional[dict]:
+def gather(trainer: Trainer) -> Optional[dict]:
     """The checkpoint of ``trainer`` as it is now. Every rank must call it (it gathers each
     rank's random state); global rank 0 gets the dict, the others ``None``; under a sharded
     strategy (fsdp) every rank gets it, ``"model"`` and ``"optimizer"`` holding its shards."""
     mine = {"rng": rng_state(), "train_accum": trainer.train_means.state_dict()}
     ranks = [mine]
     if trainer.world_size > 1:
-        ranks = [None] * trainer.world_size
+        ranks: list[Any] = [None] * trainer.world_size
         dist.all_gather_object(ranks, mine)
     strategy = trainer.strategy
     if not trainer.is_main and not strategy.sharded:
@@ -92,7 +95,7 @@ def gather(trainer: "Trainer") -> Optional[dict]:
     return state
 
 
-def load(trainer: "Trainer", path: Path) -> None:
+def load(trainer: Trainer, path: Path) -> None:
     """Resume ``trainer`` from the checkpoint at ``path``, a file or a sharded directory
     written at any world size (every rank reads it)."""
     sharded = ckpt_io.is_sharded(path)
@@ -129,7 +132,7 @@ def load(trainer: "Trainer", path: Path) -> None:
         ) from None
 
 
-def restore(trainer: "Trainer", state: dict) -> None:
+def restore(trainer: Trainer, state: dict) -> None:
     """Give ``trainer`` what :func:`gather` saved. Random states and unlogged training sums
     are restored only when the world size is the same (else the run is not bit-exact, and a
     warning says so)."""

@@ -170,7 +170,8 @@ def split_indices(n: int, val_fraction: float, test_fraction: float, seed: int,
     return np.sort(train), np.sort(val), np.sort(test)
 
 
-def _two_way(index: np.ndarray, fraction: float, seed: int, labels: Optional[np.ndarray]):
+def _two_way(index: np.ndarray, fraction: float, seed: int,
+             labels: Optional[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """``index`` cut into (kept, held out) with ``fraction`` held out, stratified where every
     class can give a sample to both parts (small or skewed data falls back to a plain shuffle,
     where scikit-learn would refuse)."""
@@ -186,4 +187,5 @@ def _two_way(index: np.ndarray, fraction: float, seed: int, labels: Optional[np.
         _, counts = np.unique(labels, return_counts=True)
         if counts.min() < 2 or held < len(counts) or len(index) - held < len(counts):
             labels = None
-    return train_test_split(index, test_size=held, random_state=seed, stratify=labels)
+    kept, held_out = train_test_split(index, test_size=held, random_state=seed, stratify=labels)
+    return np.asarray(kept), np.asarray(held_out)  # arrays already: typed as a union

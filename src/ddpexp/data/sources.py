@@ -4,9 +4,10 @@ text file of characters."""
 
 from __future__ import annotations
 
+import itertools
 import pickle
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence, cast
 
 import numpy as np
 import torch
@@ -29,7 +30,7 @@ class Digits(DataSource):
     def load(self) -> tuple[InMemory, ...]:
         from sklearn.datasets import load_digits
 
-        digits = load_digits()
+        digits: Any = load_digits()  # a Bunch (typed as a union with return_X_y's tuple)
         x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1)
         y = torch.tensor(digits.target, dtype=torch.long)
         parts = [torch.as_tensor(p) for p in split_indices(
@@ -69,13 +70,15 @@ class Synthetic(DataSource):
 
     def load(self) -> tuple[InMemory, ...]:
         g = torch.Generator().manual_seed(self.data_seed)
-        prototypes = torch.randn((self.num_classes, *self.shape), generator=g)
+        # Both are checked in __init__.
+        classes, shape = cast(int, self.num_classes), cast(tuple[int, ...], self.shape)
+        prototypes = torch.randn((classes, *shape), generator=g)
 
         def make(n: int) -> InMemory:
-            y = torch.randint(0, self.num_classes, (n,), generator=g)
+            y = torch.randint(0, classes, (n,), generator=g)
             # Built in place in the noise tensor, a chunk at a time: the peak is one copy of
             # the data set, where `prototypes[y] + noise * randn` held three at once.
-            x = torch.randn((n, *self.shape), generator=g).mul_(self.noise)
+            x = torch.randn((n, *shape), generator=g).mul_(self.noise)
             for start in range(0, n, 4096):
                 x[start : start + 4096] += prototypes[y[start : start + 4096]]
             return InMemory(x, y)
@@ -233,7 +236,8 @@ class MNIST(_TorchvisionSource):
             )
         out = []
         for split in (True, False):
-            images, labels = (read_idx(self._find(raw, n)) for n in self.files[split])
+            # Every file was found above.
+            images, labels = (read_idx(cast(Path, self._find(raw, n))) for n in self.files[split])
             if images.dim() != 3 or labels.dim() != 1 or len(images) != len(labels):
                 raise ConfigError(
                     f"data={self.dataset_name.lower()}: {raw}/{self.files[split][0]} holds "
@@ -345,10 +349,10 @@ class ImageFolder(_TorchvisionSource):
         if self.shape is None:
             raise ConfigError("data=imagefolder needs data.shape=[C,H,W]")
         channels, size = self.shape[0], list(self.shape[1:])
-        common = [transforms.Resize(size)]
+        common: list[Any] = [transforms.Resize(size)]
         if channels == 1:
             common.append(transforms.Grayscale(1))
-        tail = [transforms.ToTensor()]
+        tail: list[Any] = [transforms.ToTensor()]
         if self.mean is not None:
             tail.append(transforms.Normalize(self.mean, self.std))
         plain = transforms.Compose(common + tail)
@@ -377,7 +381,7 @@ class ImageFolder(_TorchvisionSource):
 
         try:
             folder = datasets.ImageFolder(str(self.root / split), transform,
-                                          loader=_ImageLoader(self.shape[0]))
+                                          loader=_ImageLoader(cast(tuple[int, ...], self.shape)[0]))
         except (FileNotFoundError, RuntimeError) as exc:
             raise ConfigError(f"data=imagefolder: {exc}") from None
         if classes is None:
@@ -416,7 +420,7 @@ class Diabetes(DataSource):
     def load(self) -> tuple[InMemory, ...]:
         from sklearn.datasets import load_diabetes
 
-        raw = load_diabetes()
+        raw: Any = load_diabetes()  # a Bunch (typed as a union with return_X_y's tuple)
         x = torch.tensor(raw.data, dtype=torch.float32)
         y = torch.tensor(raw.target, dtype=torch.float32)
         parts = split_indices(len(y), self.val_fraction, self.test_fraction, self.split_seed)
@@ -480,7 +484,7 @@ class Text(DataSource):
         bounds = [0, n - n_val - n_test, n - n_test, n]
         strides = [self.train_stride, t, t]
         parts = []
-        for (lo, hi), stride, name in zip(zip(bounds, bounds[1:]), strides, ("train", "val", "test")):
+        for (lo, hi), stride, name in zip(itertools.pairwise(bounds), strides, ("train", "val", "test"), strict=True):
             if hi - lo < t + 1 and not (name == "test" and hi == lo):
                 raise ConfigError(
                     f"data=text: the {name} part of {self.path} has {hi - lo} tokens, fewer than "

@@ -191,9 +191,9 @@ def describe_elastic_failure(exc: Any, oom_kills_before: Optional[int] = None,
                             "from another process, or the kernel when memory ran out)"))
         lost = [any(k in line for k in PEER_LOST) for line in lines]
     if not all(lost):  # the ranks that lost a peer only echo the others' failure
-        lines = [line for line, echo in zip(lines, lost) if not echo] + [
+        lines = [line for line, echo in zip(lines, lost, strict=True) if not echo] + [
             line.split(" raised ")[0] + " lost its connection to the failed rank(s)"
-            for line, echo in zip(lines, lost) if echo]
+            for line, echo in zip(lines, lost, strict=True) if echo]
     head = "a worker failed, so the whole run was stopped:" if len(lines) == 1 else \
         f"{len(lines)} workers failed, so the whole run was stopped:"
     text = head + "\n  " + "\n  ".join(lines)

@@ -229,7 +229,7 @@ class Preemption:
         """Hand ``signal_name`` on to the pre-run handler if it is a pre-timeout signal that
         a Python handler (submitit's) was waiting for; that handler usually exits."""
         handler = self.handlers.get(signal_name or "")
-        if callable(handler):
+        if callable(handler) and signal_name:
             log.warning("%s: checkpoint saved; handing the signal to submitit to requeue the job",
                         signal_name)
             handler(getattr(signal, signal_name), None)

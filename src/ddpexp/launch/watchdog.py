@@ -30,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Callable, Optional
+from typing import IO, Callable, Optional, cast
 
 # Where a rank is; the trainer marks each change. The order is the order within a step.
 PHASES = ("setup", "data", "forward", "backward", "optimizer", "validation", "checkpoint", "done")
@@ -131,7 +131,7 @@ class Heartbeat:
     def mark(self, phase: int, step: int) -> None:
         """Record that this rank entered ``phase`` (one of the module's constants) at ``step``."""
         self._count += 1
-        _SLOT.pack_into(self._mm, self._offset, self._count, step, phase, time.time(),
+        _SLOT.pack_into(cast(mmap.mmap, self._mm), self._offset, self._count, step, phase, time.time(),
                         self._pid, self._restart, self._rank)
 
     def close(self) -> None:

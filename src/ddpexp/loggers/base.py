@@ -15,7 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from ddpexp.record import FINISHED as SUCCESS_STATUSES  # the statuses of a run that ended as intended
+from ddpexp.record import FINISHED
+
+# The statuses of a run that ended as intended.
+SUCCESS_STATUSES = FINISHED
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 import csv
 import os
 from pathlib import Path
-from typing import IO, Any, Mapping, Optional
+from typing import IO, Any, Mapping, Optional, cast
 
 from ddpexp.loggers.base import Logger, RunInfo
 
@@ -41,7 +41,7 @@ class CSVLogger(Logger):
         """One row per name, flushed before returning."""
         for name, value in metrics.items():
             self._writer.writerow((int(step), int(epoch), name, float(value)))
-        self._file.flush()
+        cast(IO[str], self._file).flush()  # open() has run
 
     def finalize(self, status: str) -> None:
         """Close the file (the status is metrics.json's)."""

@@ -25,7 +25,7 @@ import sqlite3
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Optional, TypeVar
+from typing import Any, Callable, Iterator, Mapping, Optional, TypeVar, cast
 from urllib.parse import quote
 
 from ddpexp.errors import ConfigError
@@ -392,7 +392,7 @@ class MLflowLogger(Logger):
             return
         self._finalized = True
         tags = {STATUS_TAG: status}
-        best = self._run_dir / "checkpoints" / "best.pt"
+        best = cast(Path, self._run_dir) / "checkpoints" / "best.pt"  # set with run_id
         if best.exists():
             tags[BEST_TAG] = str(best.resolve())
         steps = (

@@ -7,7 +7,7 @@ resumed one purges the steps after its checkpoint, so no step shows twice.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, cast
 
 import yaml
 
@@ -27,7 +27,7 @@ class TensorBoardLogger(Logger):
 
     def __init__(self, flush_secs: float = 30):
         self.flush_secs = flush_secs
-        self.writer: Optional[Any] = None
+        self.writer: Any = None  # a SummaryWriter from open() to finalize()
 
     def open(self, run: RunInfo) -> None:
         """Open ``run_dir/tb``; a fresh run also gets its config as text."""
@@ -37,7 +37,7 @@ class TensorBoardLogger(Logger):
         # this session writes them again.
         purge_step = run.step + 1 if run.resumed else None
         self.writer = SummaryWriter(str(run.run_dir / "tb"), purge_step=purge_step,
-                                    flush_secs=self.flush_secs)
+                                    flush_secs=cast(int, self.flush_secs))  # any number of seconds
         if not run.resumed:
             text = yaml.safe_dump(dict(run.config), sort_keys=False)
             self.writer.add_text("config", "```yaml\n" + text + "```", 0)
@@ -74,14 +74,14 @@ class TensorBoardLogger(Logger):
 def _session_end(status: str) -> Any:
     """The HParams plugin's session-end summary: success for the statuses that end a run as
     intended, failure for the others."""
-    from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
-    from tensorboard.plugins.hparams.api_pb2 import Status
+    from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata  # pyright: ignore[reportAttributeAccessIssue]  # protobuf-generated, no stubs
+    from tensorboard.plugins.hparams.api_pb2 import Status  # pyright: ignore[reportAttributeAccessIssue]  # protobuf-generated, no stubs
     from tensorboard.plugins.hparams.metadata import (
         PLUGIN_DATA_VERSION,
         PLUGIN_NAME,
         SESSION_END_INFO_TAG,
     )
-    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData, SessionEndInfo
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData, SessionEndInfo  # pyright: ignore[reportAttributeAccessIssue]  # protobuf-generated, no stubs
 
     state = "STATUS_SUCCESS" if status in SUCCESS_STATUSES else "STATUS_FAILURE"
     content = HParamsPluginData(

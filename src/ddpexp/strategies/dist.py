@@ -11,7 +11,7 @@ import random
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Optional, cast
 
 import numpy as np
 import torch
@@ -81,7 +81,7 @@ def init_process_group(ctx: DistContext, timeout_s: float, force: bool = False,
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
         return
-    kwargs = {"device_id": ctx.device} if backend == "nccl" else {}
+    kwargs: dict[str, Any] = {"device_id": ctx.device} if backend == "nccl" else {}
     if store is not None:
         kwargs["store"] = dist.PrefixStore("ddpexp/pg", store)
     elif ctx.restart > 0:
@@ -132,7 +132,7 @@ def seed_everything(seed: int) -> None:
 
 def rng_state() -> dict:
     """This process's generator states, as tensors and ints only (``weights_only``-safe)."""
-    np_state = np.random.get_state()
+    np_state = cast(tuple, np.random.get_state())  # legacy=True (the default): a tuple
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],

@@ -111,7 +111,8 @@ class FSDP(DDP):
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
         last = None
         n = 0
-        for n, batch in enumerate(loader, start=1):
+        for batch in loader:
+            n += 1
             last = batch
             yield batch, True
         if n < int(most) and last is None:

@@ -34,7 +34,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, cast
 
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, setup_globals
@@ -224,7 +224,9 @@ def _prepare_loggers(config: Any, sweep_dir: Path) -> None:
 
     node = OmegaConf.select(config, "logger")
     if node:
-        prepare_loggers(OmegaConf.to_container(node, resolve=True), outputs_root(sweep_dir / "0"))
+        # The logger group is a dict of logger nodes by name.
+        prepare_loggers(cast(dict, OmegaConf.to_container(node, resolve=True)),
+                        outputs_root(sweep_dir / "0"))
 
 
 class Pool:
@@ -384,7 +386,8 @@ def _start(launcher: Any, job: Job, taken: tuple, split: bool, workdir: Path) ->
     log.info("\t%s%s", job.label, _where(cores if split else [], gpu_ids))
     job.files = [str(spec_path), str(result_path)]
     # Its own process group (same session): one killpg stops the job and all its workers.
-    group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+    group: dict[str, Any] = ({"process_group": 0} if sys.version_info >= (3, 11)
+                             else {"preexec_fn": os.setpgrp})
     job.proc = subprocess.Popen(
         [sys.executable, "-m", "ddpexp.sweep.job", str(spec_path), str(result_path)],
         env=env, **group,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Literal, Optional, cast
 
 import yaml
 from hydra.core.utils import JobReturn, JobStatus
@@ -34,7 +34,7 @@ from ddpexp.record import read_metrics_or_empty
 from ddpexp.sweep import pool as sweep_pool
 from ddpexp.sweep.summary import job_error, summarize
 from hydra_plugins.ddpexp_launcher.ddp_launcher import DdpLauncher
-from ddpexp.sweep import space as search_space
+from ddpexp.sweep import space as sweep_space
 
 log = logging.getLogger("hydra_plugins.ddpexp_optuna_sweeper")
 
@@ -57,7 +57,7 @@ def run(sweeper: Any, arguments: List[str]) -> Optional[dict]:
     if not isinstance(launcher, DdpLauncher):
         raise ConfigError("hydra/sweeper=optuna_async starts its trials on ddpexp's launcher: "
                           f"use hydra/launcher=ddp (this sweep has {type(launcher).__name__})")
-    fixed, space = search_space.parse(arguments, sweeper.params)
+    fixed, space = sweep_space.parse(arguments, sweeper.params)
     if not space:
         raise ConfigError("hydra/sweeper=optuna_async needs a search space: e.g. "
                           "'optimizer.lr=tag(log,interval(1e-4,1e-1))' or "
@@ -77,7 +77,7 @@ def _monitored(config: Any) -> tuple:
                            OmegaConf.select(config, "trainer.monitor_mode", default=None))
 
 
-def _direction(sweeper: Any, config: Any) -> str:
+def _direction(sweeper: Any, config: Any) -> Literal["maximize", "minimize"]:
     """``hydra.sweeper.direction``, or what the monitored metric's mode implies."""
     direction = sweeper.direction
     if direction is None:
@@ -86,7 +86,7 @@ def _direction(sweeper: Any, config: Any) -> str:
     if direction not in DIRECTIONS:
         raise ConfigError(f"hydra.sweeper.direction={direction} is not one of "
                           f"{', '.join(DIRECTIONS)} (or null: from trainer.monitor_mode)")
-    return direction
+    return cast(Literal["maximize", "minimize"], direction)  # one of DIRECTIONS
 
 
 def _sampler(spec: Dict[str, Any], space: Dict[str, Any]) -> Any:
@@ -101,7 +101,7 @@ def _sampler(spec: Dict[str, Any], space: Dict[str, Any]) -> Any:
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if name == "grid":
-        return optuna.samplers.GridSampler(search_space.grid(space), seed=seed)
+        return optuna.samplers.GridSampler(sweep_space.grid(space), seed=seed)
     raise ConfigError(f"hydra.sweeper.sampler.name={name} is not one of {', '.join(SAMPLERS)}")
 
 
@@ -153,7 +153,8 @@ class _Search:
         done = sum(t.state.is_finished() for t in trials)
         n_trials = int(self.sweeper.n_trials)
         if str(self.sweeper.sampler.get("name", "tpe")).lower() == "grid":
-            n_trials = min(n_trials, math.prod(len(v) for v in search_space.grid(self.space).values()))
+            grid = sweep_space.grid(self.space)
+            n_trials = min(n_trials, math.prod(len(v) for v in grid.values()))
         self.to_ask = max(0, n_trials - done - len(self.cut_off))
         log.info("optuna_async: study %r in %s: %d trial(s) done before, %d to resume, %d to "
                  "ask, up to %d at once", self.study.study_name, self.sweep_dir / JOURNAL, done,
@@ -215,7 +216,7 @@ class _Search:
     def _job(self, trial: Any) -> sweep_pool.Job:
         """The job of ``trial`` (asked now, or cut off before): its parameters as overrides
         after the fixed ones, job number and dir = the trial's number."""
-        overrides = self.fixed + search_space.as_overrides(trial.params)
+        overrides = self.fixed + sweep_space.as_overrides(trial.params)
         job = sweep_pool.prepare(self.launcher, overrides, trial.number, self.sweep_dir)
         job.env = pruning.trial_env(str(self.sweep_dir / JOURNAL), self.study.study_name,
                                     trial._trial_id, self.sweeper.pruner)
@@ -281,8 +282,8 @@ class _Search:
         (self.sweep_dir / RESULTS).write_text(yaml.safe_dump(results, sort_keys=False))
         log.info("best of %d trial(s) (%s): trial %d, %s = %.4f\n  %s\n(written to %s)",
                  len(trials), ", ".join(f"{n} {k}" for k, n in counts.items() if n),
-                 best.number, self.monitor, best.value, " ".join(search_space.as_overrides(best.params)),
-                 self.sweep_dir / RESULTS)
+                 best.number, self.monitor, best.value,
+                 " ".join(sweep_space.as_overrides(best.params)), self.sweep_dir / RESULTS)
         return {"number": best.number, "params": dict(best.params), "value": best.value}
 
 

@@ -13,7 +13,7 @@ Any other override is fixed: every trial gets it as it is.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Sequence, Tuple, cast
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import (ChoiceSweep, IntervalSweep, Override, RangeSweep,
@@ -56,9 +56,9 @@ def distribution(override: Override) -> Any:
         choices = list(override.sweep_iterator(transformer=Transformer.encode))
         if not choices:
             raise ConfigError(f"{key}: the choice is empty; give at least one value")
-        return CategoricalDistribution(choices)
+        return CategoricalDistribution(cast(list[Any], choices))  # encoded: str, int, float, bool
     if isinstance(value, RangeSweep):
-        values = list(override.sweep_iterator(transformer=Transformer.identity))
+        values: list[Any] = list(override.sweep_iterator(transformer=Transformer.identity))  # numbers
         if not values:
             raise ConfigError(f"{key}={override.get_value_element_as_str()} holds no value "
                               "(range's stop is excluded)")
@@ -67,7 +67,8 @@ def distribution(override: Override) -> Any:
             return IntDistribution(values[0], values[-1], step=step)
         return FloatDistribution(float(values[0]), float(values[-1]), step=float(step))
     if isinstance(value, IntervalSweep):
-        low, high = value.start, value.end
+        # An interval's ends are both given (the grammar has no open interval).
+        low, high = cast(float, value.start), cast(float, value.end)
         log = "log" in value.tags
         if log and low <= 0:
             raise ConfigError(f"{key}: tag(log, interval({low}, {high})) needs a low end > 0")

@@ -9,7 +9,7 @@ the same sum. One process has nobody to agree with and acts at once.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -48,7 +48,8 @@ class Agreement:
         non-finite count and loss): every rank learns the same stops and divergence."""
         pending = meter.pending()
         nonfinite = (~torch.isfinite(pending)).sum()
-        loss = pending[meter.names.index("loss")] if meter.sums is not None else 0.0
+        # Sums exist only once the names are fixed.
+        loss = pending[cast(list, meter.names).index("loss")] if meter.sums is not None else 0.0
         asked = [float(self.requested is not None and self.requested[0] == s) for s in STOP_STATUSES]
         parts = [torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(-1)
                  for v in (*values, nonfinite, loss, meter.seen, float(bool(self.signal)), *asked)]
@@ -61,7 +62,7 @@ class Agreement:
         if signal:
             self.interrupted = True
         if any(requested) and self.status is None:
-            self._agree_stop(next(s for s, n in zip(STOP_STATUSES, requested) if n))
+            self._agree_stop(next(s for s, n in zip(STOP_STATUSES, requested, strict=True) if n))
         own = meter.value("loss") if nonfinite_count else None  # a host sync, once
         self.divergence.check(nonfinite_count, loss_sum, seen, own, step, epoch)
         return sums
@@ -78,7 +79,7 @@ class Agreement:
         mine = self.requested[1] if self.requested else None
         reasons = [mine]
         if self.world_size > 1:  # once per run, and every rank is here
-            reasons = [None] * self.world_size
+            reasons: list[Optional[str]] = [None] * self.world_size
             dist.all_gather_object(reasons, mine)
             reasons = [f"rank {r}: {text}" if text else None for r, text in enumerate(reasons)]
         self.status = status

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, Sized, cast
 
 import torch
 from torch.utils.data import Dataset, Subset
@@ -45,7 +45,7 @@ def build(t: TrainerConfig, ctx: DistContext, data: DataSource, datasets: Sequen
     if overfit is not None:
         # Unshuffled, rank r trains on indices r, r + world, ...: the first batches of all
         # ranks together are the dataset's first samples, which are validated on.
-        trained = min(len(train_ds), overfit * data.batch_size * ctx.world_size)
+        trained = min(len(cast(Sized, train_ds)), overfit * data.batch_size * ctx.world_size)
         val_ds = Subset(train_ds, range(trained))
     return Loaders(
         train_sampler=sampler, train_loader=train_loader, batches_per_epoch=batches,
@@ -59,7 +59,7 @@ def eval_loader(t: TrainerConfig, ctx: DistContext, data: DataSource, dataset: D
                 rank_seed: int) -> Any:
     """This rank's shard of ``dataset``, without padding (``trainer.limit_val_batches``
     applied)."""
-    shard = range(ctx.rank, len(dataset), ctx.world_size)
+    shard = range(ctx.rank, len(cast(Sized, dataset)), ctx.world_size)  # map-style
     loader = data.loader(dataset, list(shard), seed=rank_seed, on_gpu=ctx.device.type == "cuda",
                          train=False)
     limit = t.limit_val_batches

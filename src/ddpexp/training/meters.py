@@ -88,7 +88,7 @@ class RunningMeans:
 def means(names: Sequence[str], sums: Sequence[float], count: float, prefix: str,
           derived: Any = None) -> dict[str, float]:
     """``prefix/name`` -> sum / count for each name, plus what ``derived(means)`` adds."""
-    values = {n: s / max(count, 1) for n, s in zip(names, sums)}
+    values = {n: s / max(count, 1) for n, s in zip(names, sums, strict=True)}
     if derived is not None:
         values.update(derived(values))
     return {f"{prefix}/{n}": v for n, v in values.items()}

@@ -4,7 +4,7 @@ parts that do not fit together fail in seconds with a message instead of after a
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sized, cast
 
 import torch
 from torch import nn
@@ -14,6 +14,9 @@ from ddpexp import models
 from ddpexp.errors import ConfigError
 from ddpexp.training.meters import metric_names
 
+if TYPE_CHECKING:
+    from ddpexp.training.trainer import Trainer
+
 
 log = logging.getLogger("ddpexp")
 
@@ -21,14 +24,14 @@ log = logging.getLogger("ddpexp")
 PROBE_SAMPLES = 64
 
 
-def check_task(trainer: "Trainer") -> list[str]:
+def check_task(trainer: Trainer) -> list[str]:
     """Run the task's checks and one training step's forward on a batch of training samples,
     then its validation step on two validation samples; return the validation metric names.
     A ``trainer.monitor`` the task does not return is refused here."""
-    if len(trainer.val_ds) == 0:
+    if len(cast(Sized, trainer.val_ds)) == 0:
         raise ConfigError("the validation split is empty; give the data a larger val share")
     check_batch(trainer)
-    probe = trainer.to_device(default_collate([trainer.val_ds[i] for i in range(min(2, len(trainer.val_ds)))]))
+    probe = trainer.to_device(default_collate([trainer.val_ds[i] for i in range(min(2, len(cast(Sized, trainer.val_ds))))]))
     with torch.random.fork_rng(devices=[]), torch.no_grad(), trainer.autocast():
         trainer.module.eval()
         out = trainer.task.validation_step(trainer.module, probe)
@@ -45,7 +48,7 @@ def check_task(trainer: "Trainer") -> list[str]:
     return names
 
 
-def check_split_metrics(trainer: "Trainer", out: Mapping[str, Any], batch: Any,
+def check_split_metrics(trainer: Trainer, out: Mapping[str, Any], batch: Any,
                         returned: list[str]) -> list[str]:
     """Feed the probe batch to the task's metric objects (then reset them), so that a
     validation step and an ``update_metrics`` that do not fit fail here; return their
@@ -71,14 +74,14 @@ def check_split_metrics(trainer: "Trainer", out: Mapping[str, Any], batch: Any,
     return [f"val/{n}" for n in whole.names]
 
 
-def check_batch(trainer: "Trainer") -> None:
+def check_batch(trainer: Trainer) -> None:
     """The task's own checks and a training step's forward on a batch of the first training
     samples, before the first step; its loss is where trainer.divergence_factor measures
     from. A model on trial in channels_last that fails in it but not in its own layout falls
     back to that layout (trainer.channels_last=null, one warning) or is refused (=true,
     naming the key)."""
     dataset = trainer.train_sampler.dataset
-    batch = default_collate([dataset[i] for i in range(min(PROBE_SAMPLES, len(dataset)))])
+    batch = default_collate([dataset[i] for i in range(min(PROBE_SAMPLES, len(cast(Sized, dataset))))])
     failure = None
     try:
         out = _probe(trainer, batch)
@@ -92,7 +95,7 @@ def check_batch(trainer: "Trainer") -> None:
     trainer.divergence.ceiling.set_start(float(out["loss"]))
 
 
-def _without_channels_last(trainer: "Trainer", batch: Any, failure: Exception) -> Mapping[str, torch.Tensor]:
+def _without_channels_last(trainer: Trainer, batch: Any, failure: Exception) -> Mapping[str, torch.Tensor]:
     """The probe again in the model's own layout, after ``failure`` in channels_last: the
     model's own error if it fails again, else the layout falls back (null) or the run is
     refused (trainer.channels_last=true)."""
@@ -116,7 +119,7 @@ def _without_channels_last(trainer: "Trainer", batch: Any, failure: Exception) -
     return out
 
 
-def _probe(trainer: "Trainer", batch: Any) -> Any:
+def _probe(trainer: Trainer, batch: Any) -> Any:
     """The task's check and training step of ``batch`` with the initial weights, off the
     record (no grad, eval mode, the random streams restored); returns the step's metrics. An
     error of the model keeps its cause, so that HYDRA_FULL_ERROR=1 shows its line."""
@@ -138,7 +141,7 @@ def check_sample_shape(data_cfg: dict, train: Dataset) -> None:
     """``data.shape`` is what the models read their input size from: it must be the shape
     of the data's samples (where a sample is an (input tensor, target) pair)."""
     shape = data_cfg.get("shape")
-    if not isinstance(shape, (list, tuple)) or len(train) == 0:
+    if not isinstance(shape, (list, tuple)) or len(cast(Sized, train)) == 0:
         return
     sample = train[0]
     if not (isinstance(sample, (tuple, list)) and sample and isinstance(sample[0], torch.Tensor)):

@@ -71,4 +71,4 @@ class SplitMetrics:
                 )
             values.append(value.reshape(()).double().cpu())
         self.reset()
-        return {f"{prefix}/{k}": v for k, v in zip(self.metrics, torch.stack(values).tolist())}
+        return {f"{prefix}/{k}": v for k, v in zip(self.metrics, torch.stack(values).tolist(), strict=True)}

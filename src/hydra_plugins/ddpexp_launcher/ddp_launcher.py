@@ -2,7 +2,7 @@
 ``_core`` inside ``launch()``, so that importing the plugin (which Hydra does at every start
 of every app) imports neither torch nor anything heavy."""
 
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from hydra.core.utils import JobReturn
 from hydra.plugins.launcher import Launcher
