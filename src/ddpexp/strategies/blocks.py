@@ -31,8 +31,8 @@ def find_blocks(model: nn.Module, wrap: Optional[Sequence[str]] = None) -> list[
             raise ConfigError(
                 f"trainer.fsdp.wrap={list(wrap)} names no module of the model; its module "
                 f"classes are {', '.join(present)}")
-    elif callable(getattr(model, "ddpexp_blocks", None)):
-        blocks = list(model.ddpexp_blocks())
+    elif callable(own := getattr(model, "ddpexp_blocks", None)):
+        blocks = list(own())
         if not all(isinstance(b, nn.Module) for b in blocks):
             raise ConfigError(f"{type(model).__name__}.ddpexp_blocks() must return nn.Module objects")
     else:
@@ -42,8 +42,9 @@ def find_blocks(model: nn.Module, wrap: Optional[Sequence[str]] = None) -> list[
 
 def _built_in_rule(model: nn.Module) -> list[nn.Module]:
     stages = [getattr(model, f"layer{i}", None) for i in range(1, 5)]
-    if all(isinstance(s, nn.Module) for s in stages) and hasattr(model, "fc"):
-        return stages  # torchvision's ResNet
+    resnet = [s for s in stages if isinstance(s, nn.Module)]
+    if len(resnet) == len(stages) and hasattr(model, "fc"):
+        return resnet  # torchvision's ResNet
     return [block for child in model.modules() if isinstance(child, nn.ModuleList)
             for block in child]
 

@@ -34,4 +34,4 @@ class DDP(Local):
                                        gradient_as_bucket_view=True)
 
     def no_sync(self, model: nn.Module, sync: bool) -> ContextManager[Any]:
-        return contextlib.nullcontext() if sync else model.no_sync()
+        return contextlib.nullcontext() if sync else model.no_sync()  # type: ignore[operator]  # DDP's method

@@ -84,7 +84,7 @@ class FSDP(DDP):
     def no_sync(self, model: nn.Module, sync: bool) -> ContextManager[Any]:
         # FSDP2 has no no_sync(): a micro-batch that is not the step's last keeps its
         # unsharded gradients and skips the reduce-scatter.
-        model.set_requires_gradient_sync(sync)
+        model.set_requires_gradient_sync(sync)  # type: ignore[operator]  # FSDPModule's method, not Module's
         return contextlib.nullcontext()
 
     def clip(self, params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
@@ -219,8 +219,9 @@ def sharded_shapes(path: Path) -> dict[str, dict[str, torch.Size]]:
     out: dict[str, dict[str, torch.Size]] = {}
     for fqn, meta in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items():
         entry, _, name = fqn.partition(".")
-        if hasattr(meta, "size"):
-            out.setdefault(entry, {})[name] = meta.size
+        size = getattr(meta, "size", None)  # tensors have one; bytes entries do not
+        if size is not None:
+            out.setdefault(entry, {})[name] = size
     return out
 
 

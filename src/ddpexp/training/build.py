@@ -58,5 +58,5 @@ def build_parts(config: dict, ctx: DistContext) -> dict[str, Any]:
         scheduler=instantiate(sched_cfg) if sched_cfg and sched_cfg.get("_target_") else None,
         seed=config["seed"], config=config,
         callbacks=components.build("callbacks", config.get("callbacks"), Callback),
-        loggers=build_loggers(config.get("logger")) if ctx.is_main else {},
+        loggers=build_loggers(config.get("logger") or {}) if ctx.is_main else {},
     )

@@ -89,7 +89,8 @@ def to_device(batch: Any, device: torch.device, memory_format: torch.memory_form
             batch = batch.contiguous(memory_format=torch.channels_last)
         return batch
     if isinstance(batch, Mapping):
-        return type(batch)((k, to_device(v, device, memory_format)) for k, v in batch.items())
+        moved_items = ((k, to_device(v, device, memory_format)) for k, v in batch.items())
+        return type(batch)(moved_items)  # type: ignore[call-arg]  # a Mapping type built from its items, as dict is
     if isinstance(batch, (list, tuple)):
         moved = [to_device(v, device, memory_format) for v in batch]
         return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
