@@ -13,7 +13,7 @@ import logging
 import math
 from typing import Any, Mapping, Optional
 
-from ddpexp.callbacks.base import LATE, Callback
+from ddpexp.callbacks.base import TrainerView, LATE, Callback
 from ddpexp.errors import ConfigError
 
 
@@ -38,11 +38,11 @@ class EarlyStopping(Callback):
         self.best: Optional[float] = None
         self.bad_epochs = 0
 
-    def setup(self, trainer: "Trainer") -> None:
+    def setup(self, trainer: TrainerView) -> None:
         self.monitor = self.monitor or trainer.monitor
         self.mode = self.mode or trainer.monitor_mode
 
-    def on_train_epoch_end(self, trainer: "Trainer", metrics: Mapping[str, float]) -> None:
+    def on_train_epoch_end(self, trainer: TrainerView, metrics: Mapping[str, float]) -> None:
         if self.monitor not in metrics:
             raise ConfigError(f"callbacks.early_stopping.monitor={self.monitor} is not a validation "
                               f"metric of the run ({', '.join(metrics)})")

@@ -32,7 +32,7 @@ from typing import Any, Iterator, Mapping, Optional
 import torch
 from torch import nn
 
-from ddpexp.callbacks.base import EARLY, Callback
+from ddpexp.callbacks.base import TrainerView, EARLY, Callback
 from ddpexp.config.validate import check_ema_decay
 
 
@@ -139,36 +139,36 @@ class EMA(Callback):
         self._applied: Any = None
         self._restart = False
 
-    def setup(self, trainer: "Trainer") -> None:
+    def setup(self, trainer: TrainerView) -> None:
         # The average follows the unwrapped model's own tensors; DDP keeps them identical
         # on every rank, so every rank's average is identical without communication.
         self.average = WeightAverage(trainer.module, float(self.decay))
 
-    def on_fit_start(self, trainer: "Trainer") -> None:
+    def on_fit_start(self, trainer: TrainerView) -> None:
         if self._restart:  # resumed from weights without an average: start it at them
             self.average = WeightAverage(trainer.module, float(self.decay))
 
-    def on_train_batch_end(self, trainer: "Trainer") -> None:
+    def on_train_batch_end(self, trainer: TrainerView) -> None:
         self.average.update()
 
-    def on_validation_start(self, trainer: "Trainer") -> None:
+    def on_validation_start(self, trainer: TrainerView) -> None:
         self._applied = self.average.applied()
         self._applied.__enter__()
 
-    def on_validation_end(self, trainer: "Trainer", metrics: Mapping[str, float]) -> None:
+    def on_validation_end(self, trainer: TrainerView, metrics: Mapping[str, float]) -> None:
         applied, self._applied = self._applied, None
         if applied is not None:
             applied.__exit__(None, None, None)
 
-    def on_exception(self, trainer: "Trainer", exc: BaseException) -> None:
+    def on_exception(self, trainer: TrainerView, exc: BaseException) -> None:
         self.on_validation_end(trainer, {})  # a validation cut short: trained weights back
 
-    def on_save_checkpoint(self, trainer: "Trainer", checkpoint: dict) -> None:
+    def on_save_checkpoint(self, trainer: TrainerView, checkpoint: dict) -> None:
         checkpoint["raw_model"] = checkpoint["model"]
         checkpoint["model"] = self.average.averaged()
         checkpoint["ema"] = {"decay": self.average.decay, "updates": self.average.updates}
 
-    def on_load_checkpoint(self, trainer: "Trainer", checkpoint: dict) -> None:
+    def on_load_checkpoint(self, trainer: TrainerView, checkpoint: dict) -> None:
         if "raw_model" not in checkpoint:
             self._restart = True
             return

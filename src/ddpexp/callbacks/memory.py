@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ddpexp.callbacks.base import Callback
+from ddpexp.callbacks.base import TrainerView, Callback
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -33,7 +33,7 @@ class ModelStateSize(Callback):
     def __init__(self, at_step: int = 1):
         self.at_step = int(at_step)
 
-    def on_before_optimizer_step(self, trainer: "Trainer") -> None:
+    def on_before_optimizer_step(self, trainer: TrainerView) -> None:
         if trainer.step != self.at_step:
             return
         params = {id(p): p for p in trainer.module.parameters()}.values()
