@@ -51,7 +51,7 @@ def save_atomic(obj: dict, path: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except RuntimeError as exc:
+    except RuntimeError:
         tmp.unlink(missing_ok=True)
         # torch's archive writer reports a short write ("unexpected pos ...", "file write
         # failed") without the errno; a full disk is by far the usual cause.

@@ -126,7 +126,7 @@ class Trainer:
 
     @classmethod
     def from_config(cls, config: dict, ctx: DistContext, run_dir: Path,
-                    hparams: Optional[dict] = None) -> "Trainer":
+                    hparams: Optional[dict] = None) -> Trainer:
         """Build task, data, model, optimizer, scheduler, callbacks and (on rank 0) loggers
         from a resolved config (plain Python, as workers receive it); return the trainer."""
         from ddpexp.training.build import build_parts
