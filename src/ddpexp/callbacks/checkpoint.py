@@ -3,33 +3,40 @@
 monitored metric improved, and with ``save_top_k=K`` the K best epochs' files.
 
 It runs last among the callbacks at each event, so a checkpoint holds the state that every
-other callback reached in its epoch. Saving gathers every rank's random state (a collective
-on every rank); global rank 0 writes, or under ``strategy=fsdp`` every rank writes its shards
-of ``last.pt`` (a directory) and rank 0 writes best.pt and the top-k files, whole weights. Non-finite weights are never written: every rank holds
-the same weights and reaches the same verdict, and the run then stops as diverged.
+other callback reached in its epoch. It decides when and where; the trainer writes
+(``trainer.save_checkpoint``), which gathers every rank's random state (a collective on every
+rank): global rank 0 writes, or under ``strategy=fsdp`` every rank writes its shards of
+``last.pt`` (a directory) and rank 0 writes best.pt and the top-k files, whole weights.
+Non-finite weights are never written (``trainer.weights_finite``): every rank holds the same
+weights and reaches the same verdict, and the run then stops as diverged.
+
+This callback is the one place that knows where a run's checkpoints go (``dirpath``,
+``last_model_path``, ``best_model_path``); the test of ``best.pt`` after training reads the
+path from it.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from pathlib import Path
+from typing import Any, Mapping, Optional
 
 from ddpexp.checkpoint import io as ckpt_io
-from ddpexp.callbacks.base import LAST, Callback
+from ddpexp.callbacks.base import TrainerView, LAST, Callback
 from ddpexp.errors import ConfigError
 from ddpexp.training.signals import Interrupted
 from ddpexp.checkpoint.topk import TopK
-from ddpexp.launch.watchdog import CHECKPOINT
-
-if TYPE_CHECKING:
-    from ddpexp.training.trainer import Trainer
 
 
 log = logging.getLogger("ddpexp")
 
 
 class ModelCheckpoint(Callback):
-    """Writes the run's checkpoints into ``run_dir/checkpoints``."""
+    """Writes the run's checkpoints into ``dirpath`` (``run_dir/checkpoints``): the newest
+    at ``last_model_path``, the best validation by ``trainer.monitor`` so far at
+    ``best_model_path``. Which validation was the best is the trainer's ``state.best``
+    (``trainer.improved`` for the latest one), kept with or without this callback, so that
+    ``metrics.json`` and a sweep's value do not depend on checkpointing."""
 
     order = LAST
 
@@ -39,25 +46,37 @@ class ModelCheckpoint(Callback):
                 raise ConfigError(f"callbacks.checkpoint.{key}={value} must be >= 1 (or null)")
         self.save_top_k, self.every_n_steps = save_top_k, every_n_steps
         self.top_k: Optional[TopK] = None
+        # Relative to the run dir until setup, which binds it to the trainer's.
+        self.dirpath: Path = ckpt_io.checkpoint_dir(".")
 
-    def setup(self, trainer: Trainer) -> None:
-        self.dir = trainer.run_dir / "checkpoints"
+    @property
+    def last_model_path(self) -> Path:
+        """The newest checkpoint (under fsdp a directory of shards)."""
+        return self.dirpath / ckpt_io.LAST
+
+    @property
+    def best_model_path(self) -> Path:
+        """The checkpoint of the best validation so far (always one file)."""
+        return self.dirpath / ckpt_io.BEST
+
+    def setup(self, trainer: TrainerView) -> None:
+        self.dirpath = ckpt_io.checkpoint_dir(trainer.run_dir)
         if self.save_top_k:
             self.top_k = TopK(self.save_top_k, trainer.monitor, trainer.monitor_mode)
 
-    def on_fit_start(self, trainer: Trainer) -> None:
+    def on_fit_start(self, trainer: TrainerView) -> None:
         if not trainer.is_main:
             return
-        removed = ckpt_io.remove_stale_temporaries(self.dir)
+        removed = ckpt_io.remove_stale_temporaries(self.dirpath)
         if removed:
             log.info("removed %d stale checkpoint temporaries", len(removed))
         if self.top_k is not None and trainer.resumed:
-            strays = self.top_k.reconcile(self.dir)
+            strays = self.top_k.reconcile(self.dirpath)
             if strays:
                 log.warning("trainer.save_top_k: %s in %s are not in the resumed ranking and are "
-                            "left alone", ", ".join(strays), self.dir)
+                            "left alone", ", ".join(strays), self.dirpath)
 
-    def on_train_batch_end(self, trainer: Trainer) -> None:
+    def on_train_batch_end(self, trainer: TrainerView) -> None:
         every = self.every_n_steps
         # The epoch's last step is saved at its end, validated; leaving it early saves too.
         if not every or trainer.step % every or trainer.batch >= trainer.batches_per_epoch \
@@ -67,34 +86,30 @@ class ModelCheckpoint(Callback):
         if not trainer.diverged:
             self.save(trainer)
 
-    def on_train_epoch_end(self, trainer: Trainer, metrics: Mapping[str, float]) -> None:
+    def on_train_epoch_end(self, trainer: TrainerView, metrics: Mapping[str, float]) -> None:
         ranked = (metrics[trainer.monitor], trainer.epoch) if self.top_k is not None else None
         self.save(trainer, best=trainer.improved, ranked=ranked)
 
-    def on_exception(self, trainer: Trainer, exc: BaseException) -> None:
+    def on_exception(self, trainer: TrainerView, exc: BaseException) -> None:
         # A signal: every rank agreed on it, so every rank takes part in the save.
-        if isinstance(exc, Interrupted) and trainer.last_saved_step != trainer.step:
+        if isinstance(exc, Interrupted) and trainer.state.last_saved_step != trainer.step:
             self.save(trainer)
 
-    def save(self, trainer: Trainer, best: bool = False,
+    def save(self, trainer: TrainerView, best: bool = False,
              ranked: Optional[tuple[float, int]] = None) -> None:
         """Every rank contributes its state; rank 0 writes last.pt (and best.pt, and the
         top-k file of a validation ``ranked`` = (value, epoch) that makes the top k). Files
         that fell out of the top k are deleted only once the new checkpoint is on disk."""
-        trainer.beat.mark(CHECKPOINT, trainer.step)
-        if not trainer.strategy.all_finite(trainer.module):
-            trainer.divergence.note(trainer.step, trainer.epoch)
+        if not trainer.weights_finite():
             return
         entry, dropped = None, []
         if self.top_k is not None and ranked is not None:
             entry, dropped = self.top_k.offer(*ranked)  # before the state, which holds it
-        state = trainer.checkpoint_state()
-        trainer.last_saved_step = trainer.step
-        copies = ([self.dir / ckpt_io.BEST] if best else []) + ([self.dir / entry] if entry else [])
-        trainer.strategy.save(state, self.dir / ckpt_io.LAST, copies)
+        copies = ([self.best_model_path] if best else []) + ([self.dirpath / entry] if entry else [])
+        trainer.save_checkpoint(self.last_model_path, copies)
         if trainer.is_main:
             for name in dropped:
-                (self.dir / name).unlink(missing_ok=True)
+                (self.dirpath / name).unlink(missing_ok=True)
 
     def state_dict(self) -> dict:
         return {"top_k": self.top_k.state_dict() if self.top_k is not None else None}

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any, Mapping, Optional, cast
+from typing import Any, Mapping, Optional
 
-from ddpexp.callbacks.base import LATE, Callback
+from ddpexp.callbacks.base import TrainerView, LATE, Callback
 from ddpexp.errors import ConfigError
-
-if TYPE_CHECKING:
-    from ddpexp.training.trainer import Trainer
 
 
 log = logging.getLogger("ddpexp")
@@ -41,22 +38,22 @@ class EarlyStopping(Callback):
         self.best: Optional[float] = None
         self.bad_epochs = 0
 
-    def setup(self, trainer: Trainer) -> None:
+    def setup(self, trainer: TrainerView) -> None:
         self.monitor = self.monitor or trainer.monitor
         self.mode = self.mode or trainer.monitor_mode
 
-    def on_train_epoch_end(self, trainer: Trainer, metrics: Mapping[str, float]) -> None:
+    def on_train_epoch_end(self, trainer: TrainerView, metrics: Mapping[str, float]) -> None:
         if self.monitor not in metrics:
             raise ConfigError(f"callbacks.early_stopping.monitor={self.monitor} is not a validation "
                               f"metric of the run ({', '.join(metrics)})")
-        value = float(metrics[cast(str, self.monitor)])  # set by setup()
+        value = float(metrics[self.monitor])
         sign = 1.0 if self.mode == "max" else -1.0
         if math.isfinite(value) and (self.best is None
                                      or sign * (value - self.best) > self.min_delta):
             self.best, self.bad_epochs = value, 0
         else:
             self.bad_epochs += 1
-        if self.bad_epochs >= cast(int, self.patience):  # enabled: patience is set
+        if self.bad_epochs >= self.patience:
             trainer.request_stop(f"early stop: {self.monitor} did not improve for "
                                  f"{self.patience} epochs", status="early_stopped")
 

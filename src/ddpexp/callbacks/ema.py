@@ -27,16 +27,13 @@ from __future__ import annotations
 
 import logging
 import contextlib
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, cast
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
 
-from ddpexp.callbacks.base import EARLY, Callback
+from ddpexp.callbacks.base import TrainerView, EARLY, Callback
 from ddpexp.config.validate import check_ema_decay
-
-if TYPE_CHECKING:
-    from ddpexp.training.trainer import Trainer
 
 
 log = logging.getLogger("ddpexp")
@@ -127,7 +124,7 @@ class WeightAverage:
 
 def _shards(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each DTensor's local shard (the tensor itself for any other), for the fused list ops."""
-    return [cast(Any, t).to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
 
 class EMA(Callback):
     """``decay`` in [0, 1) (e.g. 0.999); ``None`` leaves it off."""
@@ -142,44 +139,39 @@ class EMA(Callback):
         self._applied: Any = None
         self._restart = False
 
-    def _average(self) -> WeightAverage:
-        if self.average is None:  # setup() builds it; an enabled EMA gets no event before
-            raise RuntimeError("callbacks.ema: the average was used before setup()")
-        return self.average
-
-    def setup(self, trainer: Trainer) -> None:
+    def setup(self, trainer: TrainerView) -> None:
         # The average follows the unwrapped model's own tensors; DDP keeps them identical
         # on every rank, so every rank's average is identical without communication.
-        self.average = WeightAverage(trainer.module, float(cast(float, self.decay)))
+        self.average = WeightAverage(trainer.module, float(self.decay))
 
-    def on_fit_start(self, trainer: Trainer) -> None:
+    def on_fit_start(self, trainer: TrainerView) -> None:
         if self._restart:  # resumed from weights without an average: start it at them
-            self.average = WeightAverage(trainer.module, float(cast(float, self.decay)))
+            self.average = WeightAverage(trainer.module, float(self.decay))
 
-    def on_train_batch_end(self, trainer: Trainer) -> None:
-        self._average().update()
+    def on_train_batch_end(self, trainer: TrainerView) -> None:
+        self.average.update()
 
-    def on_validation_start(self, trainer: Trainer) -> None:
-        self._applied = self._average().applied()
+    def on_validation_start(self, trainer: TrainerView) -> None:
+        self._applied = self.average.applied()
         self._applied.__enter__()
 
-    def on_validation_end(self, trainer: Trainer, metrics: Mapping[str, float]) -> None:
+    def on_validation_end(self, trainer: TrainerView, metrics: Mapping[str, float]) -> None:
         applied, self._applied = self._applied, None
         if applied is not None:
             applied.__exit__(None, None, None)
 
-    def on_exception(self, trainer: Trainer, exc: BaseException) -> None:
+    def on_exception(self, trainer: TrainerView, exc: BaseException) -> None:
         self.on_validation_end(trainer, {})  # a validation cut short: trained weights back
 
-    def on_save_checkpoint(self, trainer: Trainer, checkpoint: dict) -> None:
+    def on_save_checkpoint(self, trainer: TrainerView, checkpoint: dict) -> None:
         checkpoint["raw_model"] = checkpoint["model"]
-        checkpoint["model"] = self._average().averaged()
-        checkpoint["ema"] = {"decay": self._average().decay, "updates": self._average().updates}
+        checkpoint["model"] = self.average.averaged()
+        checkpoint["ema"] = {"decay": self.average.decay, "updates": self.average.updates}
 
-    def on_load_checkpoint(self, trainer: Trainer, checkpoint: dict) -> None:
+    def on_load_checkpoint(self, trainer: TrainerView, checkpoint: dict) -> None:
         if "raw_model" not in checkpoint:
             self._restart = True
             return
-        self._average().load_state_dict({"averaged": checkpoint["model"],
+        self.average.load_state_dict({"averaged": checkpoint["model"],
                                       "updates": checkpoint["ema"]["updates"]})
         checkpoint["model"] = checkpoint.pop("raw_model")  # what the trainer loads

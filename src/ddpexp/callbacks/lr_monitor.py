@@ -3,13 +3,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
-from ddpexp.callbacks.base import Callback
+from ddpexp.callbacks.base import TrainerView, Callback
 from ddpexp.errors import ConfigError
 
-if TYPE_CHECKING:
-    from ddpexp.training.trainer import Trainer
 
 
 class LearningRateMonitor(Callback):
@@ -20,7 +17,7 @@ class LearningRateMonitor(Callback):
             raise ConfigError(f"callbacks.lr_monitor.every_n_steps={every_n_steps} must be >= 1")
         self.every, self.name = int(every_n_steps), name
 
-    def on_before_optimizer_step(self, trainer: Trainer) -> None:
+    def on_before_optimizer_step(self, trainer: TrainerView) -> None:
         # trainer.step counts the steps done; this one is step + 1, as it is logged.
         if trainer.is_main and (trainer.step + 1) % self.every == 0:
             groups = trainer.optimizer.param_groups

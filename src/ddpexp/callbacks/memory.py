@@ -11,15 +11,10 @@ compared with 16 bytes per parameter (fp32 AdamW) divided by the number of ranks
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
-from ddpexp.callbacks.base import Callback
-
-if TYPE_CHECKING:
-    from ddpexp.training.trainer import Trainer
+from ddpexp.callbacks.base import TrainerView, Callback
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -38,7 +33,7 @@ class ModelStateSize(Callback):
     def __init__(self, at_step: int = 1):
         self.at_step = int(at_step)
 
-    def on_before_optimizer_step(self, trainer: Trainer) -> None:
+    def on_before_optimizer_step(self, trainer: TrainerView) -> None:
         if trainer.step != self.at_step:
             return
         params = {id(p): p for p in trainer.module.parameters()}.values()

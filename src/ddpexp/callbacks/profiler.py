@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Optional, cast
+from typing import Any, Mapping, Optional
 
-from ddpexp.callbacks.base import Callback
+from ddpexp.callbacks.base import TrainerView, Callback
 from ddpexp.errors import ConfigError
-
-if TYPE_CHECKING:
-    from ddpexp.training.trainer import Trainer
 
 log = logging.getLogger("ddpexp")
 
@@ -86,19 +83,19 @@ class Profiler(Callback):
         self.enabled = steps is not None
         self.profiler: Any = None
 
-    def on_fit_start(self, trainer: Trainer) -> None:
+    def on_fit_start(self, trainer: TrainerView) -> None:
         if trainer.is_main:
-            self.profiler = StepProfiler(int(cast(int, self.steps)), trainer.run_dir, trainer.device.type,
+            self.profiler = StepProfiler(int(self.steps), trainer.run_dir, trainer.device.type,
                                          skip=self.skip)
 
-    def on_train_batch_end(self, trainer: Trainer) -> None:
+    def on_train_batch_end(self, trainer: TrainerView) -> None:
         if self.profiler is not None:
             self.profiler.step()
 
-    def on_fit_end(self, trainer: Trainer, result: Mapping[str, Any]) -> None:
+    def on_fit_end(self, trainer: TrainerView, result: Mapping[str, Any]) -> None:
         self._close()
 
-    def on_exception(self, trainer: Trainer, exc: BaseException) -> None:
+    def on_exception(self, trainer: TrainerView, exc: BaseException) -> None:
         self._close()
 
     def _close(self) -> None:

@@ -5,12 +5,10 @@ terminal)."""
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import Any, Mapping, Optional
 
-from ddpexp.callbacks.base import Callback
+from ddpexp.callbacks.base import TrainerView, Callback
 
-if TYPE_CHECKING:
-    from ddpexp.training.trainer import Trainer
 
 
 class ProgressBar(Callback):
@@ -20,29 +18,29 @@ class ProgressBar(Callback):
         self.enabled = sys.stderr.isatty() if enabled is None else bool(enabled)
         self.bar: Any = None
 
-    def on_fit_start(self, trainer: Trainer) -> None:
+    def on_fit_start(self, trainer: TrainerView) -> None:
         if trainer.is_main:
             from tqdm import tqdm
 
             self.bar = tqdm(total=trainer.batches_per_epoch, leave=False, dynamic_ncols=True)
 
-    def on_train_epoch_start(self, trainer: Trainer) -> None:
+    def on_train_epoch_start(self, trainer: TrainerView) -> None:
         if self.bar is not None:
             self.bar.reset(total=trainer.batches_per_epoch)
             self.bar.update(trainer.batch)
             self.bar.set_description(f"epoch {trainer.epoch}")
 
-    def on_train_batch_end(self, trainer: Trainer) -> None:
+    def on_train_batch_end(self, trainer: TrainerView) -> None:
         if self.bar is not None:
             self.bar.update(trainer.batch - self.bar.n)
             loss = trainer.logged.get("train/loss")
             if loss is not None:
                 self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
 
-    def on_fit_end(self, trainer: Trainer, result: Mapping[str, Any]) -> None:
+    def on_fit_end(self, trainer: TrainerView, result: Mapping[str, Any]) -> None:
         self._close()
 
-    def on_exception(self, trainer: Trainer, exc: BaseException) -> None:
+    def on_exception(self, trainer: TrainerView, exc: BaseException) -> None:
         self._close()
 
     def _close(self) -> None:

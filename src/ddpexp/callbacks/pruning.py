@@ -15,16 +15,14 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
-from ddpexp.callbacks.base import Callback
+from ddpexp.callbacks.base import TrainerView, Callback
 from ddpexp.sweep.pruning import ENV, build_pruner, journal_storage
 
-if TYPE_CHECKING:
-    from ddpexp.training.trainer import Trainer
 
 
 class OptunaPruning(Callback):
@@ -34,10 +32,10 @@ class OptunaPruning(Callback):
         self.enabled = in_trial()
         self.reporter: Any = None
 
-    def setup(self, trainer: Trainer) -> None:
+    def setup(self, trainer: TrainerView) -> None:
         self.reporter = from_env() if trainer.is_main else None
 
-    def on_validation_end(self, trainer: Trainer, metrics: Mapping[str, float]) -> None:
+    def on_validation_end(self, trainer: TrainerView, metrics: Mapping[str, float]) -> None:
         value = float(metrics[trainer.monitor])
         flag = torch.zeros(1, dtype=torch.int32, device=trainer.device)
         if self.reporter is not None:

@@ -32,6 +32,7 @@ import torch
 from ddpexp.errors import CheckpointError
 
 LAST, BEST = "last.pt", "best.pt"
+CHECKPOINTS = "checkpoints"  # a run dir's checkpoints live in run_dir/CHECKPOINTS
 _TMP_MARK = ".tmp-"
 META = "meta.pt"  # a sharded checkpoint's non-tensor entries
 _PREVIOUS = ".previous"  # a sharded checkpoint being replaced
@@ -323,6 +324,11 @@ def _fix(path: Path, fix: Optional[str]) -> str:
     return f"Point resume= at {alternative}, or start afresh."
 
 
+def checkpoint_dir(run_dir: Path | str) -> Path:
+    """Where the run in ``run_dir`` keeps its checkpoints (``last.pt``, ``best.pt``, top-k)."""
+    return Path(run_dir) / CHECKPOINTS
+
+
 def find(resume: Optional[str], run_dir: Path, base: Optional[Path] = None) -> Optional[Path]:
     """The checkpoint ``resume`` asks for: ``auto`` -> ``run_dir``'s last.pt if any, a run dir
     -> its last.pt, a file -> that file. ``None`` means start from scratch. A relative path is
@@ -331,7 +337,7 @@ def find(resume: Optional[str], run_dir: Path, base: Optional[Path] = None) -> O
     if resume in (None, ""):
         return None
     if resume == "auto":
-        return newest_last(run_dir / "checkpoints")
+        return newest_last(checkpoint_dir(run_dir))
     target = Path(resume).expanduser()
     if base is not None and not target.is_absolute():
         target = Path(base) / target
@@ -340,10 +346,10 @@ def find(resume: Optional[str], run_dir: Path, base: Optional[Path] = None) -> O
     if is_sharded(target):
         return target
     if target.is_dir():
-        last = newest_last(target / "checkpoints")
+        last = newest_last(checkpoint_dir(target))
         if last is None:
             raise CheckpointError(
-                f"resume={resume}: {target / 'checkpoints' / LAST} does not exist (the run "
+                f"resume={resume}: {checkpoint_dir(target) / LAST} does not exist (the run "
                 "saved no checkpoint yet)"
             )
         return last

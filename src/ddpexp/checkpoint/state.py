@@ -33,28 +33,48 @@ the rest in its ``meta.pt``; its best.pt and top-k files are single files with t
 
 Format 2 (before callbacks) kept the top-k ranking under ``top_k`` and the early-stopping
 counter under ``early_stop``; it still resumes.
+
+``epoch``, ``batch``, ``step``, ``best``, ``metrics`` and ``history`` are the trainer's
+:class:`~ddpexp.training.state.RunState` (its ``state_dict()``, given back by its
+``load_state_dict()``); this module reads no counter off the trainer and sets none on it.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
+from ddpexp.callbacks.base import Dispatch, TrainerView
 from ddpexp.checkpoint import io as ckpt_io
 from ddpexp.strategies.dist import rng_state, set_rng_state
 from ddpexp.errors import ConfigError
 
 if TYPE_CHECKING:
-    from ddpexp.training.trainer import Trainer
-
+    from ddpexp.data.base import DataSource
+    from ddpexp.strategies.base import Local
+    from ddpexp.training.meters import RunningMeans
 
 log = logging.getLogger("ddpexp")
 
 FORMAT = 3
+
+
+class Trainer(TrainerView, Protocol):
+    """What the schema reads of the trainer (:class:`ddpexp.training.trainer.Trainer`)
+    beyond what callbacks see. A protocol, not the trainer's class: the trainer imports this
+    module, and this one states what it needs instead of importing the trainer."""
+
+    strategy: Local
+    scheduler: Optional[Any]  # an lr scheduler: state_dict() / load_state_dict()
+    scaler: torch.amp.GradScaler
+    train_means: RunningMeans
+    callbacks: Dispatch
+    data: DataSource
+    config: dict
 
 
 def gather(trainer: Trainer) -> Optional[dict]:
@@ -64,24 +84,18 @@ def gather(trainer: Trainer) -> Optional[dict]:
     mine = {"rng": rng_state(), "train_accum": trainer.train_means.state_dict()}
     ranks = [mine]
     if trainer.world_size > 1:
-        ranks: list[Any] = [None] * trainer.world_size
+        ranks = [None] * trainer.world_size
         dist.all_gather_object(ranks, mine)
     strategy = trainer.strategy
     if not trainer.is_main and not strategy.sharded:
         return None
-    epoch, batch = trainer.resume_point()
     state = {
         "format": FORMAT,
         "model": strategy.model_state(trainer.module),
         "optimizer": strategy.optimizer_state(trainer.module, trainer.optimizer),
         "scheduler": trainer.scheduler.state_dict() if trainer.scheduler is not None else None,
         "scaler": trainer.scaler.state_dict() if trainer.scaler.is_enabled() else None,
-        "epoch": epoch,
-        "batch": batch,
-        "step": trainer.step,
-        "best": {"metric": trainer.monitor, "value": trainer.best_value, "epoch": trainer.best_epoch},
-        "metrics": trainer.metrics,
-        "history": trainer.history,
+        **trainer.state.state_dict(),  # epoch, batch, step, best, metrics, history
         "callbacks": {name: cb.state_dict() for name, cb in trainer.callbacks},
         "loggers": trainer.loggers.state_dict(),
         "ranks": ranks,
@@ -149,10 +163,8 @@ def restore(trainer: Trainer, state: dict) -> None:
         t.scheduler.load_state_dict(_schedule_progress(state["scheduler"]))
     if state.get("scaler") is not None and t.scaler.is_enabled():
         t.scaler.load_state_dict(state["scaler"])
-    t.epoch, t.step = state["epoch"], state["step"]
-    t.batch = _batch_here(state, t.data.batch_size * t.world_size, is_main)
-    t.best_value, t.best_epoch = state["best"]["value"], state["best"]["epoch"]
-    t.metrics, t.history = state["metrics"], list(state["history"])
+    batch = _batch_here(state, t.data.batch_size * t.world_size, is_main)
+    t.state.load_state_dict({**state, "batch": batch})
     _hand_out("callbacks", dict(t.callbacks), callback_states(state), is_main)
     t.loggers.load_state_dict(state.get("loggers") or {})
     ranks = state["ranks"]

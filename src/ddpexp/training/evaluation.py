@@ -7,18 +7,51 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
+from ddpexp.callbacks.base import TrainerView
 from ddpexp.checkpoint import io as ckpt_io
 from ddpexp.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset
+
+    from ddpexp.callbacks.checkpoint import ModelCheckpoint
+    from ddpexp.data.base import DataSource
+    from ddpexp.strategies.base import Local
 
 log = logging.getLogger("ddpexp")
 
 
-def evaluate_checkpoint(trainer: Any, path: Path, split: str = "test") -> Optional[dict]:
+class Trainer(TrainerView, Protocol):
+    """What an evaluation reads of the trainer (:class:`ddpexp.training.trainer.Trainer`)
+    beyond what callbacks see. A protocol, not the trainer's class: the trainer imports this
+    module, and this one states what it needs instead of importing the trainer."""
+
+    data: DataSource
+    val_ds: Dataset
+    test_ds: Optional[Dataset]
+    strategy: Local
+    evaluated_samples: int  # set by each evaluate()
+
+    @property
+    def checkpoint_callback(self) -> Optional[ModelCheckpoint]:
+        """The run's checkpoint callback (where best.pt is), None without one."""
+        ...
+
+    def eval_loader(self, dataset: Dataset) -> Any:
+        """This rank's unpadded shard of ``dataset``."""
+        ...
+
+    def evaluate(self, loader: Any, prefix: str = "val") -> dict[str, float]:
+        """The task's metrics over the split behind ``loader``, as ``prefix/<name>``."""
+        ...
+
+
+def evaluate_checkpoint(trainer: Trainer, path: Path, split: str = "test") -> Optional[dict]:
     """The task's metrics of checkpoint ``path``'s weights on ``split`` (``test`` or
     ``val``): ``{"metrics": {split/<name>: ..}, "epoch": the epoch those weights ended,
     "samples": n evaluated}``, or ``None`` where rank 0 finds no such file. The trainer's
@@ -46,15 +79,21 @@ def evaluate_checkpoint(trainer: Any, path: Path, split: str = "test") -> Option
     return {"metrics": values, "epoch": int(epoch), "samples": trainer.evaluated_samples}
 
 
-def evaluate_best(trainer: Any) -> Optional[dict]:
-    """Evaluate ``best.pt`` (the monitored best, not the last weights) on the test split and
-    log ``test/<name>``; the trainer keeps its last weights. Returns what
-    :func:`evaluate_checkpoint` does, or None without a test split or a best.pt."""
+def evaluate_best(trainer: Trainer) -> Optional[dict]:
+    """Evaluate ``best.pt`` (the monitored best, not the last weights; where the run's
+    checkpoint callback put it) on the test split and log ``test/<name>``; the trainer keeps
+    its last weights. Returns what :func:`evaluate_checkpoint` does, or None without a test
+    split, a checkpoint callback or a best.pt."""
     if trainer.test_ds is None or len(trainer.test_ds) == 0:
         if trainer.is_main:
             log.info("no test split in data=%s: test skipped", type(trainer.data).__name__)
         return None
-    best = trainer.ckpt_dir / ckpt_io.BEST
+    saver = trainer.checkpoint_callback
+    if saver is None:
+        if trainer.is_main:
+            log.info("no checkpoint callback (~callbacks.checkpoint), so no best.pt: test skipped")
+        return None
+    best = saver.best_model_path
     if trainer.is_main and not best.is_file():
         log.warning("%s does not exist: test skipped", best)
     last = trainer.strategy.snapshot(trainer.module)

@@ -1,22 +1,32 @@
 """Checks of the task, model and data on a few real samples before the first step, so that
-parts that do not fit together fail in seconds with a message instead of after an epoch."""
+parts that do not fit together fail in seconds with a message instead of after an epoch.
+
+What the checks find (the validation metric names, the memory format the model keeps, the
+loss of the initial weights) comes back as a :class:`Probed` for the trainer to store; the
+checks read the trainer and set nothing on it."""
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Mapping, Sized, cast
+from dataclasses import dataclass
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from ddpexp import models
+from ddpexp.callbacks.base import TrainerView
 from ddpexp.errors import ConfigError
+from ddpexp.training import loaders
 from ddpexp.training.meters import metric_names
 
 if TYPE_CHECKING:
-    from ddpexp.training.trainer import Trainer
-
+    from ddpexp.config.schema import TrainerConfig
+    from ddpexp.data.base import ResumableDistributedSampler
+    from ddpexp.task import Task
+    from ddpexp.training.split_metrics import SplitMetrics
 
 log = logging.getLogger("ddpexp")
 
@@ -24,14 +34,44 @@ log = logging.getLogger("ddpexp")
 PROBE_SAMPLES = 64
 
 
-def check_task(trainer: Trainer) -> list[str]:
+class Trainer(TrainerView, Protocol):
+    """What the checks read of the trainer (:class:`ddpexp.training.trainer.Trainer`)
+    beyond what callbacks see. A protocol, not the trainer's class: the trainer imports this
+    module, and this one states what it needs instead of importing the trainer."""
+
+    t: TrainerConfig
+    task: Task
+    val_ds: Dataset
+    train_sampler: ResumableDistributedSampler
+    split_metrics: SplitMetrics
+
+    def autocast(self) -> AbstractContextManager[Any]:
+        """The precision's autocast context."""
+        ...
+
+
+@dataclass(frozen=True)
+class Probed:
+    """What :func:`check_task` found: the task's validation metric names (without
+    ``val/``), the memory format the model ended in (``torch.preserve_format`` where
+    channels_last fell back) and the training loss of the initial weights on the probe batch
+    (where ``trainer.divergence_factor`` measures from)."""
+
+    val_names: list[str]
+    memory_format: torch.memory_format
+    start_loss: float
+
+
+def check_task(trainer: Trainer, layout: torch.memory_format, on_trial: bool) -> Probed:
     """Run the task's checks and one training step's forward on a batch of training samples,
-    then its validation step on two validation samples; return the validation metric names.
-    A ``trainer.monitor`` the task does not return is refused here."""
-    if len(cast(Sized, trainer.val_ds)) == 0:
+    then its validation step on two validation samples, with the model in memory format ``layout``
+    (``on_trial``: channels_last that the probe batch must confirm, see
+    :func:`memory_format`). A ``trainer.monitor`` the task does not return is refused here."""
+    if len(trainer.val_ds) == 0:
         raise ConfigError("the validation split is empty; give the data a larger val share")
-    check_batch(trainer)
-    probe = trainer.to_device(default_collate([trainer.val_ds[i] for i in range(min(2, len(cast(Sized, trainer.val_ds))))]))
+    layout, start_loss = check_batch(trainer, layout, on_trial)
+    samples = default_collate([trainer.val_ds[i] for i in range(min(2, len(trainer.val_ds)))])
+    probe = loaders.to_device(samples, trainer.device, layout)
     with torch.random.fork_rng(devices=[]), torch.no_grad(), trainer.autocast():
         trainer.module.eval()
         out = trainer.task.validation_step(trainer.module, probe)
@@ -45,7 +85,7 @@ def check_task(trainer: Trainer) -> list[str]:
             f"trainer.monitor={trainer.monitor} is not a metric of the task ({task}); "
             f"it returns {', '.join(returned)}"
         )
-    return names
+    return Probed(names, layout, start_loss)
 
 
 def check_split_metrics(trainer: Trainer, out: Mapping[str, Any], batch: Any,
@@ -74,34 +114,35 @@ def check_split_metrics(trainer: Trainer, out: Mapping[str, Any], batch: Any,
     return [f"val/{n}" for n in whole.names]
 
 
-def check_batch(trainer: Trainer) -> None:
+def check_batch(trainer: Trainer, layout: torch.memory_format,
+                on_trial: bool) -> tuple[torch.memory_format, float]:
     """The task's own checks and a training step's forward on a batch of the first training
-    samples, before the first step; its loss is where trainer.divergence_factor measures
-    from. A model on trial in channels_last that fails in it but not in its own layout falls
-    back to that layout (trainer.channels_last=null, one warning) or is refused (=true,
-    naming the key)."""
+    samples, before the first step; returns the memory format the model keeps and the step's
+    loss (where trainer.divergence_factor measures from). A model ``on_trial`` in
+    channels_last that fails in it but not in its own layout falls back to that layout
+    (trainer.channels_last=null, one warning) or is refused (=true, naming the key)."""
     dataset = trainer.train_sampler.dataset
-    batch = default_collate([dataset[i] for i in range(min(PROBE_SAMPLES, len(cast(Sized, dataset))))])
+    batch = default_collate([dataset[i] for i in range(min(PROBE_SAMPLES, len(dataset)))])
     failure = None
     try:
-        out = _probe(trainer, batch)
+        out = _probe(trainer, batch, layout)
     except Exception as exc:  # noqa: BLE001 - retried below, in the model's own layout
-        if not trainer.layout_on_trial:
+        if not on_trial:
             raise
         failure = exc
     if failure is not None:  # outside the handler: a second failure is told on its own
+        layout = torch.preserve_format
         out = _without_channels_last(trainer, batch, failure)
     metric_names(out, type(trainer.task).__name__, "training_step")
-    trainer.divergence.ceiling.set_start(float(out["loss"]))
+    return layout, float(out["loss"])
 
 
 def _without_channels_last(trainer: Trainer, batch: Any, failure: Exception) -> Mapping[str, torch.Tensor]:
     """The probe again in the model's own layout, after ``failure`` in channels_last: the
     model's own error if it fails again, else the layout falls back (null) or the run is
     refused (trainer.channels_last=true)."""
-    trainer.memory_format = torch.preserve_format
     trainer.module.to(memory_format=torch.contiguous_format)
-    out = _probe(trainer, batch)
+    out = _probe(trainer, batch, torch.preserve_format)
     reason = first_line(failure.__cause__ or failure)
     name = type(trainer.module).__name__
     if trainer.t.channels_last:
@@ -119,12 +160,13 @@ def _without_channels_last(trainer: Trainer, batch: Any, failure: Exception) -> 
     return out
 
 
-def _probe(trainer: Trainer, batch: Any) -> Any:
-    """The task's check and training step of ``batch`` with the initial weights, off the
-    record (no grad, eval mode, the random streams restored); returns the step's metrics. An
-    error of the model keeps its cause, so that HYDRA_FULL_ERROR=1 shows its line."""
+def _probe(trainer: Trainer, batch: Any, layout: torch.memory_format) -> Any:
+    """The task's check and training step of ``batch`` (in memory format ``layout``) with the
+    initial weights, off the record (no grad, eval mode, the random streams restored);
+    returns the step's metrics. An error of the model keeps its cause, so that
+    HYDRA_FULL_ERROR=1 shows its line."""
     with torch.random.fork_rng(devices=[]), torch.no_grad(), trainer.autocast():
-        probe = trainer.to_device(batch)
+        probe = loaders.to_device(batch, trainer.device, layout)
         trainer.module.eval()
         try:
             trainer.task.check(trainer.module, probe)
@@ -141,7 +183,7 @@ def check_sample_shape(data_cfg: dict, train: Dataset) -> None:
     """``data.shape`` is what the models read their input size from: it must be the shape
     of the data's samples (where a sample is an (input tensor, target) pair)."""
     shape = data_cfg.get("shape")
-    if not isinstance(shape, (list, tuple)) or len(cast(Sized, train)) == 0:
+    if not isinstance(shape, (list, tuple)) or len(train) == 0:
         return
     sample = train[0]
     if not (isinstance(sample, (tuple, list)) and sample and isinstance(sample[0], torch.Tensor)):

@@ -34,9 +34,10 @@ from ddpexp import strategies
 from ddpexp.training import evaluation
 from ddpexp.training import loaders
 from ddpexp.training import probe
-from ddpexp.checkpoint import state
+from ddpexp.checkpoint import state as schema
 from ddpexp.training.agreement import STOP_STATUSES, Agreement
 from ddpexp.callbacks.base import Callback, Dispatch
+from ddpexp.callbacks.checkpoint import ModelCheckpoint
 from ddpexp.config.schema import TrainerConfig
 from ddpexp.data.base import DataSource
 from ddpexp.training.divergence import Divergence
@@ -48,9 +49,11 @@ from ddpexp.training.meters import RunningMeans, means
 from ddpexp.record import FINISHED, write_metrics
 from ddpexp.training.signals import Interrupted
 from ddpexp.training.split_metrics import SplitMetrics
+from ddpexp.training.state import Best, RunState
 from ddpexp.task import Task, as_task
 from ddpexp.launch.watchdog import (
     BACKWARD,
+    CHECKPOINT,
     DATA,
     FORWARD,
     OPTIMIZER,
@@ -90,7 +93,6 @@ class Trainer:
         self.task, self.data, self.seed = as_task(task), data, seed
         self.config = config or {}
         self.hparams = hparams or {}
-        self.ckpt_dir = self.run_dir / "checkpoints"
         self.device = ctx.device
         self.monitor = cfg.monitor or self.task.monitor
         self.monitor_mode = cfg.monitor_mode.value if cfg.monitor_mode else self.task.monitor_mode
@@ -108,7 +110,9 @@ class Trainer:
         self.split_metrics = SplitMetrics(self.task, self.device)
         # The probes run before the strategy wraps the model: a model that falls back from
         # channels_last must have its final layout before DDP lays out its gradient buckets.
-        self.val_names = probe.check_task(self)
+        probed = probe.check_task(self, self.memory_format, self.layout_on_trial)
+        self.val_names, self.memory_format = probed.val_names, probed.memory_format
+        self.divergence.ceiling.set_start(probed.start_loss)
         self.strategy = strategies.for_config(cfg, ctx)
         self.strategy.checkpoint_activations(self.module)
         self.module = self.strategy.prepare(self.module)
@@ -130,6 +134,39 @@ class Trainer:
         return cls(ctx=ctx, run_dir=run_dir, hparams=hparams, **build_parts(config, ctx))
 
     # ------------------------------------------------------------------ what callbacks use
+    # The surface that ddpexp.callbacks.base.Callback documents; the counters are read-only
+    # views of self.state, which only the trainer changes.
+    @property
+    def epoch(self) -> int:
+        """The epoch being trained (0-based)."""
+        return self.state.epoch
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps done in all."""
+        return self.state.step
+
+    @property
+    def batch(self) -> int:
+        """Micro-batches of the current epoch done on this rank."""
+        return self.state.batch
+
+    @property
+    def status(self) -> str:
+        """``running``, or how the run ended (``metrics.json``'s ``status``)."""
+        return self.state.status
+
+    @property
+    def improved(self) -> bool:
+        """Whether the latest validation was the best so far (``trainer.monitor``)."""
+        return self.state.best.improved
+
+    @property
+    def checkpoint_callback(self) -> Optional[ModelCheckpoint]:
+        """The run's :class:`~ddpexp.callbacks.ModelCheckpoint` (the one that owns the
+        checkpoints dir and ``best.pt``), or None where ``~callbacks.checkpoint`` removed it."""
+        return next((cb for _, cb in self.callbacks if isinstance(cb, ModelCheckpoint)), None)
+
     @property
     def rank(self) -> int:
         return self.ctx.rank
@@ -174,6 +211,26 @@ class Trainer:
         step)."""
         return self.agreement.stopping or self.diverged or self._steps_done()
 
+    def weights_finite(self) -> bool:
+        """Whether every weight is finite, the same verdict on every rank (a collective
+        under fsdp: every rank must call it); where not, the run counts as diverged at this
+        step. A checkpoint is written only after it says yes."""
+        self.beat.mark(CHECKPOINT, self.step)
+        if self.strategy.all_finite(self.module):
+            return True
+        self.divergence.note(self.step, self.epoch)
+        return False
+
+    def save_checkpoint(self, last: Path, copies: Sequence[Path] = ()) -> None:
+        """Write the checkpoint as of now (:mod:`ddpexp.checkpoint.state`) to ``last`` and
+        copy it to each of ``copies`` (best.pt, a top-k file): global rank 0 writes, or under
+        fsdp every rank its shards of ``last``. Every rank must call it (it gathers each
+        rank's random state)."""
+        self.beat.mark(CHECKPOINT, self.step)
+        checkpoint = schema.gather(self)
+        self.state.last_saved_step = self.step
+        self.strategy.save(checkpoint, last, list(copies))
+
     # ------------------------------------------------------------------ building
     def eval_loader(self, dataset: Dataset):
         """This rank's unpadded shard of ``dataset`` (each sample counted once in all)."""
@@ -209,13 +266,7 @@ class Trainer:
         self.params = [p for p in self.module.parameters() if p.requires_grad]
 
     def _init_state(self) -> None:
-        self.epoch, self.batch, self.step = 0, 0, 0
-        self.best_value: Optional[float] = None
-        self.best_epoch: Optional[int] = None
-        self.improved = False  # whether the latest validation was the best so far
-        self.metrics: dict[str, float] = {}
-        self.history: list[dict] = []
-        self.status = "running"
+        self.state = RunState(Best(self.monitor, self.monitor_mode))
         self.test_metrics: dict = {}  # test/<name> of best.pt and its epoch, once tested
         self.started = time.time()
         self.resumed = False
@@ -224,10 +275,8 @@ class Trainer:
         self._last_log_time = time.perf_counter()
         self._grad_norm: Optional[torch.Tensor] = None
         self._first_step_pending = True
-        self._epoch_finished = False  # trained and validated: a checkpoint resumes after it
         self.divergence = Divergence(self.t.divergence_factor)
         self.agreement = Agreement(self.ctx.rank, self.ctx.world_size, self.device, self.divergence)
-        self.last_saved_step: Optional[int] = None  # the step of the newest checkpoint
 
     # ------------------------------------------------------------------ the run
     def fit(self, resume_from: Optional[Path] = None) -> dict:
@@ -242,7 +291,7 @@ class Trainer:
                 with self.agreement.signal:
                     self._loop()
                 if self.status == "running":
-                    self.status = "completed"
+                    self.state.status = "completed"
                 if self.t.test and self.status in FINISHED:
                     self._test()  # still watched: the test of best.pt runs collectives too
         except BaseException as exc:
@@ -301,10 +350,10 @@ class Trainer:
             self._run_batch(batch, last_micro, group_samples)
             if not last_micro:
                 continue
-            self.batch = i + 1
+            self.state.batch = i + 1
             log_now = (self.step + 1) % self.t.log_every_n_steps == 0
             self._optimizer_step(log_now)
-            self.step += 1
+            self.state.step += 1
             if self._first_step_pending:
                 self._log_first_step()
             if log_now:
@@ -314,7 +363,7 @@ class Trainer:
                 self.agreement.alone()
             if self.leaving_epoch():
                 return self.batch >= self.batches_per_epoch
-        self.batch = self.batches_per_epoch
+        self.state.batch = self.batches_per_epoch
         return True
 
     def _fetching(self, loader: Any):
@@ -420,13 +469,13 @@ class Trainer:
     def _diverge(self) -> None:
         """Stop a run whose training loss diverged; nothing is saved (last.pt and best.pt
         keep the weights from before)."""
-        self.status = "diverged"
+        self.state.status = "diverged"
         if self.ctx.is_main:
             log.warning("epoch %d  step %d: %s; stopping", self.epoch, self.step, self.divergence.warning())
 
     def divergence_message(self) -> str:
         """What happened and what to try, for the log and the run's failure."""
-        return self.divergence.message(self.optimizer.param_groups[0]["lr"], self.last_saved_step,
+        return self.divergence.message(self.optimizer.param_groups[0]["lr"], self.state.last_saved_step,
                                      str(self.t.precision))
 
     # ------------------------------------------------------------------ evaluation
@@ -490,13 +539,14 @@ class Trainer:
         """Record a validation and fire the epoch's end (the checkpoint callback saves last).
         ``complete`` is False when the epoch ended part-way (max_steps, a stop): the
         checkpoint then resumes mid-epoch."""
-        self._epoch_finished = complete
-        self.metrics = val
-        self.history.append({"epoch": self.epoch, "step": self.step, **val})
-        self.improved = self._update_best(val)
+        run = self.state
+        run.epoch_finished = complete
+        run.metrics = val
+        run.history.append({"epoch": self.epoch, "step": self.step, **val})
+        run.best.update(val[self.monitor], self.epoch)
         if self.ctx.is_main:
             self.log_metrics({**val, "epoch/time_s": epoch_time, "epoch": self.epoch})
-            self.log_metrics({f"best/{self.monitor}": self.best_value})
+            self.log_metrics({f"best/{self.monitor}": run.best.value})
             shown = "  ".join(f"{k} {v:.4f}" for k, v in val.items())
             log.info("epoch %d  step %d  %s%s  (%.1fs)", self.epoch, self.step, shown,
                      "  *best*" if self.improved else "", epoch_time)
@@ -504,52 +554,31 @@ class Trainer:
         self.agreement.alone() if self.ctx.world_size == 1 else self.agree()
         agreed = self.agreement
         if agreed.status is not None and self.status == "running" and not agreed.interrupted:
-            self.status = agreed.status
+            run.status = agreed.status
             if self.ctx.is_main:
                 log.info("%s", agreed.reason if self.status != "stopped"
                          else f"stop requested ({agreed.reason}): ending the run")
         if complete:
-            self.epoch += 1
-            self.batch = 0
-        self._epoch_finished = False
+            run.epoch += 1
+            run.batch = 0
+        run.epoch_finished = False
         if self.ctx.is_main:
             write_metrics(self.run_dir, self._result())
-
-    def _update_best(self, val: dict[str, float]) -> bool:
-        value = val[self.monitor]
-        if not math.isfinite(value):
-            return False
-        better = self.best_value is None or (
-            value > self.best_value if self.monitor_mode == "max" else value < self.best_value
-        )
-        if better:
-            self.best_value, self.best_epoch = value, self.epoch
-        return better
 
     def _interrupt(self) -> None:
         """Stop on a signal: the callbacks learn of it on every rank (the checkpoint callback
         saves where the run is, unless it just did), and the run is interrupted."""
         name = self.agreement.signal.name
         self.callbacks.fire("on_exception", self, Interrupted(name))
-        self.status = "interrupted"
+        self.state.status = "interrupted"
         if self.ctx.is_main:
             log.warning("%s: stopped at epoch %d, step %d; checkpoint saved",
                         name or "another rank got a stop signal", self.epoch, self.step)
 
     # ------------------------------------------------------------------ state
-    def checkpoint_state(self) -> Optional[dict]:
-        """The checkpoint as of now (schema: :mod:`ddpexp.checkpoint.state`). Every rank must call it;
-        global rank 0 gets the dict, the others ``None``."""
-        return state.gather(self)
-
-    def resume_point(self) -> tuple[int, int]:
-        """(epoch, batch) where a resume from a checkpoint taken now continues."""
-        return (self.epoch + 1, 0) if self._epoch_finished else (self.epoch, self.batch)
-
     def _load(self, path: Path) -> None:
-        state.load(self, path)
+        schema.load(self, path)
         self.resumed = True
-        self.last_saved_step = self.step
         if self.ctx.is_main:
             log.info("resumed from %s at epoch %d, batch %d, step %d", path, self.epoch, self.batch, self.step)
 
@@ -560,9 +589,9 @@ class Trainer:
             "steps": self.step,
             "monitor": self.monitor,
             "monitor_mode": self.monitor_mode,
-            "final": self.metrics,
-            "best": {self.monitor: self.best_value, "epoch": self.best_epoch},
-            "history": self.history,
+            "final": self.state.metrics,
+            "best": {self.monitor: self.state.best.value, "epoch": self.state.best.epoch},
+            "history": self.state.history,
             "world_size": self.ctx.world_size,
             # The loop's part; the run's parent adds the whole run's wall_time_s at its end.
             "train_time_s": round(time.time() - self.started, 3),
