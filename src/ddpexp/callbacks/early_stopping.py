@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, cast
 
 from ddpexp.callbacks.base import TrainerView, LATE, Callback
 from ddpexp.errors import ConfigError
@@ -46,14 +46,14 @@ class EarlyStopping(Callback):
         if self.monitor not in metrics:
             raise ConfigError(f"callbacks.early_stopping.monitor={self.monitor} is not a validation "
                               f"metric of the run ({', '.join(metrics)})")
-        value = float(metrics[self.monitor])
+        value = float(metrics[cast(str, self.monitor)])  # setup() filled it in
         sign = 1.0 if self.mode == "max" else -1.0
         if math.isfinite(value) and (self.best is None
                                      or sign * (value - self.best) > self.min_delta):
             self.best, self.bad_epochs = value, 0
         else:
             self.bad_epochs += 1
-        if self.bad_epochs >= self.patience:
+        if self.bad_epochs >= cast(int, self.patience):  # enabled: a patience is set
             trainer.request_stop(f"early stop: {self.monitor} did not improve for "
                                  f"{self.patience} epochs", status="early_stopped")
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import contextlib
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional, cast
 
 import torch
 from torch import nn
@@ -124,7 +124,8 @@ class WeightAverage:
 
 def _shards(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each DTensor's local shard (the tensor itself for any other), for the fused list ops."""
-    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    # A DTensor (fsdp) has to_local(); a plain tensor is its own shard.
+    return [cast(Any, t).to_local() if hasattr(t, "to_local") else t for t in tensors]
 
 class EMA(Callback):
     """``decay`` in [0, 1) (e.g. 0.999); ``None`` leaves it off."""
@@ -139,20 +140,25 @@ class EMA(Callback):
         self._applied: Any = None
         self._restart = False
 
+    def _average(self) -> WeightAverage:
+        if self.average is None:  # setup() builds it; an enabled EMA gets no event before
+            raise RuntimeError("callbacks.ema: the average was used before setup()")
+        return self.average
+
     def setup(self, trainer: TrainerView) -> None:
         # The average follows the unwrapped model's own tensors; DDP keeps them identical
         # on every rank, so every rank's average is identical without communication.
-        self.average = WeightAverage(trainer.module, float(self.decay))
+        self.average = WeightAverage(trainer.module, float(cast(float, self.decay)))
 
     def on_fit_start(self, trainer: TrainerView) -> None:
         if self._restart:  # resumed from weights without an average: start it at them
-            self.average = WeightAverage(trainer.module, float(self.decay))
+            self.average = WeightAverage(trainer.module, float(cast(float, self.decay)))
 
     def on_train_batch_end(self, trainer: TrainerView) -> None:
-        self.average.update()
+        self._average().update()
 
     def on_validation_start(self, trainer: TrainerView) -> None:
-        self._applied = self.average.applied()
+        self._applied = self._average().applied()
         self._applied.__enter__()
 
     def on_validation_end(self, trainer: TrainerView, metrics: Mapping[str, float]) -> None:
@@ -165,13 +171,13 @@ class EMA(Callback):
 
     def on_save_checkpoint(self, trainer: TrainerView, checkpoint: dict) -> None:
         checkpoint["raw_model"] = checkpoint["model"]
-        checkpoint["model"] = self.average.averaged()
-        checkpoint["ema"] = {"decay": self.average.decay, "updates": self.average.updates}
+        checkpoint["model"] = self._average().averaged()
+        checkpoint["ema"] = {"decay": self._average().decay, "updates": self._average().updates}
 
     def on_load_checkpoint(self, trainer: TrainerView, checkpoint: dict) -> None:
         if "raw_model" not in checkpoint:
             self._restart = True
             return
-        self.average.load_state_dict({"averaged": checkpoint["model"],
+        self._average().load_state_dict({"averaged": checkpoint["model"],
                                       "updates": checkpoint["ema"]["updates"]})
         checkpoint["model"] = checkpoint.pop("raw_model")  # what the trainer loads

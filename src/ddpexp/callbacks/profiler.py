@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, cast
 
 from ddpexp.callbacks.base import TrainerView, Callback
 from ddpexp.errors import ConfigError
@@ -85,7 +85,7 @@ class Profiler(Callback):
 
     def on_fit_start(self, trainer: TrainerView) -> None:
         if trainer.is_main:
-            self.profiler = StepProfiler(int(self.steps), trainer.run_dir, trainer.device.type,
+            self.profiler = StepProfiler(int(cast(int, self.steps)), trainer.run_dir, trainer.device.type,
                                          skip=self.skip)
 
     def on_train_batch_end(self, trainer: TrainerView) -> None:

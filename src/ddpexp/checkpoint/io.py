@@ -25,7 +25,7 @@ from typing import Any, BinaryIO, Optional, Sequence
 try:
     import fcntl
 except ImportError:  # not on Windows: copies there are plain copies
-    fcntl = None  # type: ignore[assignment]
+    fcntl = None  # type: ignore[assignment]  # no fcntl off POSIX: no lock, checked where used
 
 import torch
 

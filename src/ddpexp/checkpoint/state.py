@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -84,7 +84,7 @@ def gather(trainer: Trainer) -> Optional[dict]:
     mine = {"rng": rng_state(), "train_accum": trainer.train_means.state_dict()}
     ranks = [mine]
     if trainer.world_size > 1:
-        ranks = [None] * trainer.world_size
+        ranks: list[Any] = [None] * trainer.world_size
         dist.all_gather_object(ranks, mine)
     strategy = trainer.strategy
     if not trainer.is_main and not strategy.sharded:
@@ -129,8 +129,10 @@ def load(trainer: Trainer, path: Path) -> None:
             "model config the run was started with (its .hydra/config.yaml)"
         )
     strategy = trainer.strategy
-    state = strategy.read_sharded(trainer.module, trainer.optimizer, path) if sharded else \
-        strategy.from_file(trainer.module, trainer.optimizer, state)
+    if sharded:
+        state = strategy.read_sharded(trainer.module, trainer.optimizer, path)
+    else:  # the file read above
+        state = strategy.from_file(trainer.module, trainer.optimizer, cast(dict, state))
     if "optimizer" not in state:
         raise ConfigError(
             f"checkpoint {path} holds the weights only (best.pt and the top-k files of an fsdp "

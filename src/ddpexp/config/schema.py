@@ -168,10 +168,10 @@ def trainer_config(node: Any) -> TrainerConfig:
     """The ``trainer`` node (a DictConfig or the plain dict workers receive) as the typed
     :class:`TrainerConfig`, enums and all."""
     merged = OmegaConf.merge(OmegaConf.structured(TrainerConfig), node)
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]  # a structured TrainerConfig node converts to that dataclass
 
 
 def to_plain(cfg: DictConfig) -> dict:
     """The fully resolved config as plain Python (enums as strings): what workers receive
     and what checkpoints store."""
-    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]  # the root node is a dict

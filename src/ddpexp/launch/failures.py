@@ -169,7 +169,7 @@ def describe_elastic_failure(exc: Any, oom_kills_before: Optional[int] = None,
     without a Python error: a signal killed it."""
     same = {_own_error(f) for f in exc.failures.values()}
     if len(same) == 1 and None not in same:
-        return same.pop()  # type: ignore[return-value]
+        return same.pop()  # type: ignore[return-value]  # None is not in the set (checked above)
     oom = oom_kills_before is not None and (oom_kills() or 0) > oom_kills_before
     lines = []
     for rank, failure in sorted(exc.failures.items()):

@@ -171,7 +171,7 @@ class Step:
         try:
             self.store.check(["abort"])
             return True
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - the store's host (rank 0) is gone: torch raises any of its errors
             return False
 
     def aborted(self) -> Optional[dict]:
@@ -180,7 +180,7 @@ class Step:
         try:
             if self.store.check(["abort"]):
                 return json.loads(self.store.get("abort"))
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - the store's host (rank 0) is gone: torch raises any of its errors
             return {"by": 0, "kind": "error", "message": "rank 0 ended"}
         return None
 
@@ -211,7 +211,7 @@ class Step:
         """Say under ``section/<rank>`` what happened to this rank."""
         try:
             self.store.set(f"{section}/{self.rank}", json.dumps({"pid": os.getpid(), **fields}))
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - the store's host (rank 0) is gone: torch raises any of its errors
             pass
 
     def reports(self, section: str) -> dict[int, dict]:
@@ -221,7 +221,7 @@ class Step:
             try:
                 if self.store.check([f"{section}/{r}"]):
                     out[r] = json.loads(self.store.get(f"{section}/{r}"))
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - the store's host (rank 0) is gone: torch raises any of its errors
                 break
         return out
 
@@ -318,7 +318,7 @@ def lead(step: Step, main: Callable[[], Any]) -> None:
     finally:
         try:
             published = step.store.check(["payload"])
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - the store's host (rank 0) is gone: torch raises any of its errors
             published = True
         if not published:
             step.abort("start")

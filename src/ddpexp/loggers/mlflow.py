@@ -34,7 +34,7 @@ from ddpexp.loggers.base import SUCCESS_STATUSES, Logger, RunInfo
 try:
     import fcntl
 except ImportError:  # Windows: no lock around the first schema creation
-    fcntl = None  # type: ignore[assignment]
+    fcntl = None  # type: ignore[assignment]  # no fcntl off POSIX: no lock, checked where used
 
 log = logging.getLogger(__name__)
 

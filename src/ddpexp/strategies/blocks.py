@@ -14,7 +14,7 @@ Which modules are blocks, first match wins:
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence, cast
 
 from torch import nn
 
@@ -32,7 +32,7 @@ def find_blocks(model: nn.Module, wrap: Optional[Sequence[str]] = None) -> list[
                 f"trainer.fsdp.wrap={list(wrap)} names no module of the model; its module "
                 f"classes are {', '.join(present)}")
     elif callable(own := getattr(model, "ddpexp_blocks", None)):
-        blocks = list(own())
+        blocks = list(cast(Any, own)())  # a user's method: checked below
         if not all(isinstance(b, nn.Module) for b in blocks):
             raise ConfigError(f"{type(model).__name__}.ddpexp_blocks() must return nn.Module objects")
     else:

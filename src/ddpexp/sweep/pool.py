@@ -201,7 +201,7 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
             f"the sweep was stopped by {pool.stopped}. To finish it, run the same command "
             f"with: resume=auto {command_line_override('hydra.sweep.dir', sweep_dir)}"
         )
-    return [j.ret for j in jobs]  # type: ignore[misc]
+    return [j.ret for j in jobs]  # type: ignore[misc]  # every job has ended: each has its JobReturn
 
 
 def begin(launcher: Any) -> Path:
@@ -291,9 +291,9 @@ class Pool:
         while self.running:
             ended = []
             for job in list(self.running):
-                if job.proc.poll() is not None:  # type: ignore[union-attr]
+                if job.proc.poll() is not None:  # type: ignore[union-attr]  # a running job has its process
                     _finish(job)
-                    self.slices.give_back(*job.slice)  # type: ignore[misc]
+                    self.slices.give_back(*job.slice)  # type: ignore[misc]  # a started job holds its slice
                     self.running.remove(job)
                     ended.append(job)
                 else:
@@ -426,14 +426,14 @@ def _enforce_limits(launcher: Any, job: Job, stop: "_StopSignals") -> None:
 
 def _signal_group(job: Job, sig: int) -> None:
     try:
-        os.killpg(job.proc.pid, sig)  # type: ignore[union-attr]
+        os.killpg(job.proc.pid, sig)  # type: ignore[union-attr]  # only started jobs are signalled
     except (ProcessLookupError, PermissionError):
         pass
 
 
 def _finish(job: Job) -> None:
     """Read the job's JobReturn; a job that died without one gets a FAILED return saying how."""
-    code = job.proc.returncode  # type: ignore[union-attr]
+    code = job.proc.returncode  # type: ignore[union-attr]  # only started jobs finish
     job.ended = time.time()
     # Workers of a job that died abruptly may outlive it: nothing of a job survives it.
     _signal_group(job, signal.SIGKILL)
@@ -444,7 +444,7 @@ def _finish(job: Job) -> None:
 
         try:
             ret = cloudpickle.loads(result_path.read_bytes())
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - a result file that does not unpickle, whatever the reason, is the job's failure
             ret = None
             why = f"its result could not be read ({type(exc).__name__}: {exc})"
     if ret is None:
@@ -474,7 +474,7 @@ def _finish(job: Job) -> None:
                 log_file = job.dir / f"{job.config.hydra.job.name}.log"
             wrapped = JobFailed(f"job {job.idx} failed with {job_error(ret)}\n"
                                 f"(its traceback is in {log_file})")
-            wrapped.original = exc  # type: ignore[attr-defined]
+            wrapped.original = exc  # type: ignore[attr-defined]  # kept for a caller that wants the job's own exception
             ret._return_value = wrapped
     job.ret = ret
     job.interrupted_by = _interruption(job, code)

@@ -60,12 +60,12 @@ def summarize(launcher: Any, jobs: Sequence[Any], sweep_dir: Path) -> None:
                     _listed(interrupted))
     if skipped:
         log.error("%d of %d job(s) not run (%s)", len(skipped), len(jobs),
-                  job_error(skipped[0].ret).removeprefix("not run: "))  # type: ignore[arg-type]
+                  job_error(skipped[0].ret).removeprefix("not run: "))  # type: ignore[arg-type]  # an ended job has its JobReturn
 
 
 def _listed(jobs: Sequence[Any]) -> str:
     """Each job's label and, indented below it, its cause."""
-    return "\n".join(f"  {j.label}\n      " + job_error(j.ret).strip().replace("\n", "\n      ")  # type: ignore[arg-type]
+    return "\n".join(f"  {j.label}\n      " + job_error(j.ret).strip().replace("\n", "\n      ")  # type: ignore[arg-type]  # listed jobs have ended
                      for j in jobs)
 
 

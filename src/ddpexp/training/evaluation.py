@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Sized, cast
 
 import torch
 import torch.distributed as dist
@@ -84,7 +84,7 @@ def evaluate_best(trainer: Trainer) -> Optional[dict]:
     checkpoint callback put it) on the test split and log ``test/<name>``; the trainer keeps
     its last weights. Returns what :func:`evaluate_checkpoint` does, or None without a test
     split, a checkpoint callback or a best.pt."""
-    if trainer.test_ds is None or len(trainer.test_ds) == 0:
+    if trainer.test_ds is None or len(cast(Sized, trainer.test_ds)) == 0:
         if trainer.is_main:
             log.info("no test split in data=%s: test skipped", type(trainer.data).__name__)
         return None

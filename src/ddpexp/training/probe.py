@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sized, cast
 
 import torch
 from torch import nn
@@ -67,10 +67,10 @@ def check_task(trainer: Trainer, layout: torch.memory_format, on_trial: bool) ->
     then its validation step on two validation samples, with the model in memory format ``layout``
     (``on_trial``: channels_last that the probe batch must confirm, see
     :func:`memory_format`). A ``trainer.monitor`` the task does not return is refused here."""
-    if len(trainer.val_ds) == 0:
+    if len(cast(Sized, trainer.val_ds)) == 0:
         raise ConfigError("the validation split is empty; give the data a larger val share")
     layout, start_loss = check_batch(trainer, layout, on_trial)
-    samples = default_collate([trainer.val_ds[i] for i in range(min(2, len(trainer.val_ds)))])
+    samples = default_collate([trainer.val_ds[i] for i in range(min(2, len(cast(Sized, trainer.val_ds))))])
     probe = loaders.to_device(samples, trainer.device, layout)
     with torch.random.fork_rng(devices=[]), torch.no_grad(), trainer.autocast():
         trainer.module.eval()
@@ -122,7 +122,7 @@ def check_batch(trainer: Trainer, layout: torch.memory_format,
     channels_last that fails in it but not in its own layout falls back to that layout
     (trainer.channels_last=null, one warning) or is refused (=true, naming the key)."""
     dataset = trainer.train_sampler.dataset
-    batch = default_collate([dataset[i] for i in range(min(PROBE_SAMPLES, len(dataset)))])
+    batch = default_collate([dataset[i] for i in range(min(PROBE_SAMPLES, len(cast(Sized, dataset))))])
     failure = None
     try:
         out = _probe(trainer, batch, layout)
@@ -183,7 +183,7 @@ def check_sample_shape(data_cfg: dict, train: Dataset) -> None:
     """``data.shape`` is what the models read their input size from: it must be the shape
     of the data's samples (where a sample is an (input tensor, target) pair)."""
     shape = data_cfg.get("shape")
-    if not isinstance(shape, (list, tuple)) or len(train) == 0:
+    if not isinstance(shape, (list, tuple)) or len(cast(Sized, train)) == 0:
         return
     sample = train[0]
     if not (isinstance(sample, (tuple, list)) and sample and isinstance(sample[0], torch.Tensor)):

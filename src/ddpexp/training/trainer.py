@@ -23,7 +23,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -246,7 +246,7 @@ class Trainer:
                 "such as nn.Linear) that require grad"
             )
         self.memory_format, self.layout_on_trial = probe.memory_format(model, t, self.device)
-        model.to(self.device, memory_format=self.memory_format)
+        model.to(self.device, memory_format=self.memory_format)  # type: ignore[call-overload]  # Module.to takes it; its stubs list no such overload
         self.module = model
         self.amp_dtype = {"bf16": torch.bfloat16, "16": torch.float16}.get(str(t.precision))
 
@@ -398,7 +398,7 @@ class Trainer:
             with self.strategy.no_sync(self.model, last_micro):
                 self.beat.mark(FORWARD, self.step)
                 with self.autocast():
-                    out = self.task.training_step(self.forward, batch)
+                    out = self.task.training_step(cast(nn.Module, self.forward), batch)
                 self.beat.mark(BACKWARD, self.step)
                 loss = out["loss"] if n == group_samples else out["loss"] * (n / group_samples)
                 self.scaler.scale(loss).backward()
@@ -546,7 +546,8 @@ class Trainer:
         run.best.update(val[self.monitor], self.epoch)
         if self.ctx.is_main:
             self.log_metrics({**val, "epoch/time_s": epoch_time, "epoch": self.epoch})
-            self.log_metrics({f"best/{self.monitor}": run.best.value})
+            if run.best.value is not None:
+                self.log_metrics({f"best/{self.monitor}": run.best.value})
             shown = "  ".join(f"{k} {v:.4f}" for k, v in val.items())
             log.info("epoch %d  step %d  %s%s  (%.1fs)", self.epoch, self.step, shown,
                      "  *best*" if self.improved else "", epoch_time)
@@ -600,5 +601,5 @@ class Trainer:
             **({"stop_reason": self.agreement.reason} if self.status in STOP_STATUSES else {}),
             **({"test": self.test_metrics} if self.test_metrics else {}),
             **({"diverged_at_step": self.divergence.at["step"], "error": self.divergence_message()}
-               if self.status == "diverged" and self.diverged else {}),
+               if self.status == "diverged" and self.divergence.at is not None else {}),
         }
