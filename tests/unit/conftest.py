@@ -6,6 +6,9 @@ dirs this process claimed (``ddpexp.config.rundir._CLAIMED``).
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,6 +27,27 @@ def _fresh_globals():
     rundir._CLAIMED.clear()
     rundir._CLAIMED.update(claimed)
     GlobalHydra.instance().clear()
+
+
+def _children() -> set[int]:
+    """This process's live child processes (every thread's), from /proc."""
+    found: set[int] = set()
+    for task in Path(f"/proc/{os.getpid()}/task").glob("*"):
+        try:
+            found |= {int(p) for p in (task / "children").read_text().split()}
+        except OSError:
+            continue
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _no_process_started():
+    """The unit layer runs in this process only: a test that leaves a child process behind
+    (a DataLoader worker, a subprocess, a forked rank) fails."""
+    before = _children()
+    yield
+    left = _children() - before
+    assert not left, f"the test left child processes {sorted(left)}; unit tests start none"
 
 
 @pytest.fixture

@@ -102,3 +102,21 @@ def test_fit_saves_average_as_model_and_trained_as_raw(trainer_factory):
     for k, v in t.module.state_dict().items():
         assert torch.equal(saved["raw_model"][k], v), k
     assert not torch.equal(saved["model"]["net.1.weight"], saved["raw_model"]["net.1.weight"])
+
+
+def test_resume_restores_average(trainer_factory):
+    first = trainer_factory("a", callbacks={"checkpoint": ModelCheckpoint(), "ema": EMA(decay=0.5)},
+                            max_epochs=1)
+    first.fit()
+    path = first.run_dir / "checkpoints" / "last.pt"
+    saved = torch.load(path, weights_only=True)
+    ema = EMA(decay=0.5)
+    second = trainer_factory("b", callbacks={"checkpoint": ModelCheckpoint(), "ema": ema}, max_epochs=2)
+    from ddpexp.checkpoint import state
+
+    state.load(second, path)
+    assert ema.average.updates == 4
+    for k, v in ema.average.averaged().items():
+        assert torch.equal(v, saved["model"][k]), k
+    for k, v in second.module.state_dict().items():  # the trained weights continue
+        assert torch.equal(v, saved["raw_model"][k]), k
