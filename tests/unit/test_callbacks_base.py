@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddpexp.callbacks import EARLY, LAST, LATE, Callback, Dispatch, LearningRateMonitor, ModelCheckpoint
+from ddpexp.callbacks import (
+    EARLY,
+    LAST,
+    LATE,
+    Callback,
+    Dispatch,
+    LearningRateMonitor,
+    ModelCheckpoint,
+)
 from ddpexp.callbacks.base import EVENTS, overrides
 from ddpexp.errors import ConfigError
 from ddpexp.loggers.csv import CSVLogger, read_rows

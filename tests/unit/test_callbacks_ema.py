@@ -58,10 +58,9 @@ def test_applied_swaps_and_restores():
     with torch.no_grad():
         m[0].weight.add_(1.0)
     trained = m[0].weight.detach().clone()
-    with pytest.raises(RuntimeError, match="inside"):
-        with avg.applied():
-            assert torch.equal(m[0].weight, avg.averaged()["0.weight"])
-            raise RuntimeError("inside")
+    with pytest.raises(RuntimeError, match="inside"), avg.applied():
+        assert torch.equal(m[0].weight, avg.averaged()["0.weight"])
+        raise RuntimeError("inside")
     assert torch.equal(m[0].weight, trained)
 
 

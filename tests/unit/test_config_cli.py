@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 
 import pytest
@@ -77,7 +78,7 @@ def run_dir_with_run(tmp_path):
 
 def test_preflight_refuses_run_dir_holding_a_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    for k in list(__import__("os").environ):
+    for k in list(os.environ):
         if k.startswith("SUBMITIT_"):
             monkeypatch.delenv(k)
     run = run_dir_with_run(tmp_path)

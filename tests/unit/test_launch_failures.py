@@ -11,8 +11,8 @@ from ddpexp.launch import failures
 
 
 @pytest.mark.parametrize("code, message", [
-    (errno.ENOSPC, r"no space left on the device that holds /data/x. Free some space there, or "
-                   r"point data.root at another disk \(nothing already saved was replaced"),
+    (errno.ENOSPC, (r"no space left on the device that holds /data/x. Free some space there, or "
+                    r"point data.root at another disk \(nothing already saved was replaced")),
     (errno.EDQUOT, r"disk quota exceeded writing /data/x. Free some space, or point data.root"),
     (errno.EACCES, r"permission denied: /data/x. Give this user access to it, or point data.root"),
     (errno.EPERM, r"permission denied: /data/x"),

@@ -24,7 +24,9 @@ def test_context_is_main_only_rank_zero():
 
 
 def test_context_is_frozen():
-    with pytest.raises(Exception):
+    from dataclasses import FrozenInstanceError
+
+    with pytest.raises(FrozenInstanceError, match="cannot assign to field 'rank'"):
         d.DistContext().rank = 3
 
 

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+from optuna.distributions import (
+    CategoricalDistribution,
+    FloatDistribution,
+    IntDistribution,
+)
 
 from ddpexp.errors import ConfigError
 from ddpexp.sweep import space

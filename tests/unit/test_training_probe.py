@@ -8,13 +8,13 @@ from torch import nn
 
 from ddpexp.data.base import InMemory
 from ddpexp.errors import ConfigError
-from ddpexp.models import ConvNet, MLP
+from ddpexp.models import MLP, ConvNet
 from ddpexp.training import probe
 
 
 class Sum:
     def training_step(self, model, batch):
-        x, y = batch
+        x, _ = batch
         return {"loss": model(x).float().pow(2).mean()}
 
 
