@@ -1,0 +1,121 @@
+"""The moving average of the weights (callbacks/ema.py): avg = decay*avg + (1-decay)*param."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ddpexp.callbacks import EMA, ModelCheckpoint
+from ddpexp.callbacks.ema import WeightAverage
+from ddpexp.errors import ConfigError
+
+
+def net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+
+
+def test_update_is_lerp_towards_params():
+    m = net()
+    avg = WeightAverage(m, decay=0.9)
+    start = {k: v.clone() for k, v in m.state_dict().items()}
+    with torch.no_grad():
+        m[0].weight.add_(1.0)
+        m[1].running_mean.fill_(5.0)
+    avg.update()
+    got = avg.averaged()
+    expected = 0.9 * start["0.weight"] + 0.1 * m[0].weight
+    assert torch.allclose(got["0.weight"], expected, atol=1e-7)
+    assert torch.equal(got["1.running_mean"], torch.full((2,), 5.0))  # buffers copied
+    assert torch.equal(got["1.num_batches_tracked"], m[1].num_batches_tracked)
+    assert avg.updates == 1
+
+
+def test_two_updates_compound():
+    m = net()
+    avg = WeightAverage(m, decay=0.5)
+    w0 = m[0].bias.detach().clone()
+    with torch.no_grad():
+        m[0].bias.fill_(2.0)
+    avg.update()
+    avg.update()
+    assert torch.allclose(avg.averaged()["0.bias"], 0.25 * w0 + 0.75 * 2.0)
+
+
+def test_decay_zero_is_exact_copy():
+    m = net()
+    avg = WeightAverage(m, decay=0.0)
+    with torch.no_grad():
+        m[0].weight.mul_(1.2345)
+    avg.update()
+    assert torch.equal(avg.averaged()["0.weight"], m[0].weight)
+
+
+def test_applied_swaps_and_restores():
+    m = net()
+    avg = WeightAverage(m, decay=0.9)
+    with torch.no_grad():
+        m[0].weight.add_(1.0)
+    trained = m[0].weight.detach().clone()
+    with pytest.raises(RuntimeError, match="inside"), avg.applied():
+        assert torch.equal(m[0].weight, avg.averaged()["0.weight"])
+        raise RuntimeError("inside")
+    assert torch.equal(m[0].weight, trained)
+
+
+def test_tied_weights_share_one_average():
+    from ddpexp.models import GPT
+
+    m = GPT(vocab_size=7, block_size=4, n_layer=1, n_head=1, n_embd=4)
+    avg = WeightAverage(m, decay=0.5).averaged()
+    assert avg["head.weight"] is avg["tok.weight"]
+
+
+def test_state_round_trip_and_missing_keys():
+    m = net()
+    a = WeightAverage(m, decay=0.9)
+    with torch.no_grad():
+        m[0].weight.add_(1.0)
+    a.update()
+    b = WeightAverage(net(), decay=0.99)
+    b.load_state_dict(a.state_dict())
+    assert b.updates == 1 and b.decay == 0.99
+    assert torch.equal(b.averaged()["0.weight"], a.averaged()["0.weight"])
+    with pytest.raises(KeyError, match="EMA state lacks 0.bias"):
+        b.load_state_dict({"averaged": {k: v for k, v in a.averaged().items() if k != "0.bias"},
+                           "updates": 1})
+
+
+def test_ema_decay_checked():
+    with pytest.raises(ConfigError, match=r"trainer.ema_decay=1.5 must be in \[0, 1\)"):
+        EMA(decay=1.5)
+    assert not EMA().enabled
+
+
+def test_fit_saves_average_as_model_and_trained_as_raw(trainer_factory):
+    t = trainer_factory(callbacks={"checkpoint": ModelCheckpoint(), "ema": EMA(decay=0.5)}, max_epochs=1)
+    t.fit()
+    saved = torch.load(t.run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert saved["ema"] == {"decay": 0.5, "updates": 4}
+    for k, v in t.module.state_dict().items():
+        assert torch.equal(saved["raw_model"][k], v), k
+    assert not torch.equal(saved["model"]["net.1.weight"], saved["raw_model"]["net.1.weight"])
+
+
+def test_resume_restores_average(trainer_factory):
+    first = trainer_factory("a", callbacks={"checkpoint": ModelCheckpoint(), "ema": EMA(decay=0.5)},
+                            max_epochs=1)
+    first.fit()
+    path = first.run_dir / "checkpoints" / "last.pt"
+    saved = torch.load(path, weights_only=True)
+    ema = EMA(decay=0.5)
+    second = trainer_factory("b", callbacks={"checkpoint": ModelCheckpoint(), "ema": ema}, max_epochs=2)
+    from ddpexp.checkpoint import state
+
+    state.load(second, path)
+    assert ema.average.updates == 4
+    for k, v in ema.average.averaged().items():
+        assert torch.equal(v, saved["model"][k]), k
+    for k, v in second.module.state_dict().items():  # the trained weights continue
+        assert torch.equal(v, saved["raw_model"][k]), k

@@ -1,0 +1,123 @@
+"""Atomic writes, safe reads and resume paths of checkpoints (checkpoint/io.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ddpexp.checkpoint import io
+from ddpexp.errors import CheckpointError
+
+
+def test_save_atomic_leaves_no_temporary(tmp_path):
+    path = tmp_path / "sub" / "last.pt"
+    io.save_atomic({"model": {"w": torch.ones(2)}, "step": 1}, path)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["last.pt"]
+    assert io.load(path)["step"] == 1
+
+
+def test_save_atomic_replaces(tmp_path):
+    path = tmp_path / "last.pt"
+    io.save_atomic({"model": {}, "step": 1}, path)
+    io.save_atomic({"model": {}, "step": 2}, path)
+    assert io.load(path)["step"] == 2
+
+
+def test_copy_atomic(tmp_path):
+    src, dst = tmp_path / "last.pt", tmp_path / "best.pt"
+    io.save_atomic({"model": {"w": torch.arange(3)}}, src)
+    io.copy_atomic(src, dst)
+    assert torch.equal(io.load(dst)["model"]["w"], torch.arange(3))
+    assert src.read_bytes() == dst.read_bytes()
+
+
+def test_remove_stale_temporaries(tmp_path):
+    (tmp_path / f"last.pt{io._TMP_MARK}123").write_bytes(b"x")
+    (tmp_path / "last.pt").write_bytes(b"x")
+    removed = io.remove_stale_temporaries(tmp_path)
+    assert [p.name for p in removed] == [f"last.pt{io._TMP_MARK}123"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"]
+
+
+def test_load_missing(tmp_path):
+    with pytest.raises(CheckpointError, match="checkpoint .*nope.pt does not exist"):
+        io.load(tmp_path / "nope.pt")
+
+
+def test_load_empty(tmp_path):
+    (tmp_path / "last.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"is empty \(0 bytes\): no checkpoint was written "
+                                              r"to it. Point resume= at another checkpoint"):
+        io.load(tmp_path / "last.pt")
+
+
+def test_load_text_file_names_alternative(tmp_path):
+    (tmp_path / "best.pt").write_bytes(b"x")
+    (tmp_path / "last.pt").write_text("<html>oops</html>")
+    with pytest.raises(CheckpointError, match=r"is not a checkpoint: its 17 bytes begin b'<html>"
+                                              r".*neither a zip archive nor a pickle.*resume=.*best.pt"):
+        io.load(tmp_path / "last.pt")
+
+
+def test_load_truncated(tmp_path):
+    path = tmp_path / "last.pt"
+    io.save_atomic({"model": {"w": torch.randn(100)}}, path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="is truncated or corrupt"):
+        io.load(path)
+
+
+def test_load_refuses_unsafe_objects(tmp_path):
+    path = tmp_path / "evil.pt"
+    torch.save({"model": {}, "obj": os.stat_result}, path)  # a class: only an unsafe load builds it
+    with pytest.raises(CheckpointError, match="holds objects that only an unsafe pickle load "
+                                              "could create"):
+        io.load(path)
+
+
+def test_load_needs_model_entry(tmp_path):
+    torch.save({"weights": {}}, tmp_path / "x.pt")
+    with pytest.raises(CheckpointError, match="is not a ddpexp checkpoint \\(no 'model' entry\\)"):
+        io.load(tmp_path / "x.pt")
+
+
+def test_load_fix_text(tmp_path):
+    (tmp_path / "x.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="Train it again."):
+        io.load(tmp_path / "x.pt", fix="Train it again.")
+
+
+def test_verify(tmp_path):
+    io.save_atomic({"model": {"w": torch.ones(1)}}, tmp_path / "last.pt")
+    io.verify(tmp_path / "last.pt")
+    with pytest.raises(CheckpointError, match="is a directory, not a checkpoint"):
+        io.verify(tmp_path)
+
+
+def test_find(tmp_path):
+    run = tmp_path / "run"
+    assert io.find(None, run) is None and io.find("", run) is None
+    assert io.find("auto", run) is None
+    last = run / "checkpoints" / io.LAST
+    io.save_atomic({"model": {}}, last)
+    assert io.find("auto", run) == last
+    assert io.find(str(run), tmp_path) == last
+    assert io.find("run", tmp_path / "elsewhere", base=tmp_path) == last
+    assert io.find(str(last), run) == last
+
+
+def test_find_errors(tmp_path):
+    (tmp_path / "empty_run").mkdir()
+    with pytest.raises(CheckpointError, match=r"resume=.*checkpoints/last.pt does not exist \(the run "
+                                              r"saved no checkpoint yet\)"):
+        io.find(str(tmp_path / "empty_run"), tmp_path)
+    with pytest.raises(CheckpointError, match="is neither auto, a run dir nor a checkpoint file"):
+        io.find(str(tmp_path / "missing"), tmp_path)
+
+
+def test_newest_last_none(tmp_path):
+    assert io.newest_last(tmp_path) is None
+    assert not io.is_sharded(tmp_path)

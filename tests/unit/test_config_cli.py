@@ -1,0 +1,121 @@
+"""The command line before Hydra reads it (config/cli.py)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+
+import pytest
+from hydra.core.override_parser.overrides_parser import OverridesParser
+
+from ddpexp.config import cli
+
+
+def test_unknown_trainer_key_suggests_closest():
+    text = cli.unknown_trainer_keys(["trainer.gpu=4", "model=mlp"])
+    assert text.startswith("unknown trainer key trainer.gpu: did you mean trainer.gpus?\n(trainer keys: gpus, procs,")
+
+
+def test_unknown_trainer_key_without_close_match():
+    text = cli.unknown_trainer_keys(["+trainer.zzzzqqq=1"])
+    assert text.startswith("unknown trainer key trainer.zzzzqqq: it is not a trainer key")
+
+
+def test_known_and_nested_trainer_keys_pass():
+    assert cli.unknown_trainer_keys(["trainer.gpus=1", "trainer.fsdp.wrap=[A]", "trainer.max_epochs"]) is None
+
+
+def test_command_line_values_typed_and_unquoted():
+    values = cli.command_line_values([
+        "-m", 'hydra.run.dir="outputs/my run"', "trainer.max_epochs=3", "resume=null",
+        "+x.y=true", "a=1,2", "~callbacks.ema", "seed=range(3)", "bad=[",
+    ])
+    assert values == {"hydra.run.dir": "outputs/my run", "trainer.max_epochs": 3, "resume": None,
+                      "x.y": True, "a": cli.SWEPT, "seed": cli.SWEPT}
+
+
+def test_command_line_values_escaped_space():
+    assert cli.command_line_values(["hydra.run.dir=outputs/my\\ run"]) == {"hydra.run.dir": "outputs/my run"}
+
+
+@pytest.mark.parametrize("value, word", [
+    ("outputs/run", "resume=outputs/run"),
+    ("outputs/my run é", "'resume=\"outputs/my run é\"'"),
+    ("null", "'resume=\"null\"'"),
+])
+def test_command_line_override(value, word):
+    assert cli.command_line_override("resume", value) == word
+
+
+@pytest.mark.parametrize("value", ["a b", " lead", 'say "hi"', "back\\slash\\", "ünï", "1e3", "[x]"])
+def test_command_line_override_reads_back(value):
+    word = cli.command_line_override("k", value)
+    (arg,) = shlex.split(word)
+    assert OverridesParser.create().parse_override(arg).value() == value
+
+
+def test_preflight_typo_first(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert "did you mean trainer.max_epochs" in cli.preflight(["trainer.max_epoch=1"])
+
+
+def test_preflight_missing_resume(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.preflight([f"resume={tmp_path}/gone"]) == (
+        f"resume={tmp_path}/gone is neither auto, a run dir nor a checkpoint file that exists")
+    assert cli.preflight(["resume=auto"]) is None
+    assert not (tmp_path / "outputs").exists()
+
+
+def run_dir_with_run(tmp_path):
+    run = tmp_path / "old"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.json").write_text("{}")
+    (run / "ddpexp.log").write_text("log")
+    (run / "notes.txt").write_text("mine")
+    return run
+
+
+def test_preflight_refuses_run_dir_holding_a_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for k in list(os.environ):
+        if k.startswith("SUBMITIT_"):
+            monkeypatch.delenv(k)
+    run = run_dir_with_run(tmp_path)
+    text = cli.preflight([f"hydra.run.dir={run}"])
+    assert text == (f"hydra.run.dir={run} already holds a run; a new run there would overwrite its "
+                    f"checkpoints and metrics.json. Continue it with resume={run}, start it over "
+                    "with overwrite=true (removes its outputs first), or pick another hydra.run.dir")
+    assert cli.preflight([f"hydra.run.dir={run}", f"resume={run}"]) is None
+
+
+def test_preflight_overwrite_removes_outputs_only(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = run_dir_with_run(tmp_path)
+    assert cli.preflight([f"hydra.run.dir={run}", "overwrite=true"]) is None
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
+
+
+def test_preflight_sweep_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    sweep = tmp_path / "sweep"
+    (sweep / "0").mkdir(parents=True)
+    (sweep / "0" / "metrics.json").write_text("{}")
+    (sweep / "1").mkdir()
+    text = cli.preflight(["-m", f"hydra.sweep.dir={sweep}"])
+    assert text.startswith(f"hydra.sweep.dir={sweep} already holds 1 run(s) of an earlier sweep")
+    assert "Continue it with resume=auto" in text
+
+
+def test_preflight_multinode_shares_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = run_dir_with_run(tmp_path)
+    assert cli.preflight([f"hydra.run.dir={run}", "trainer.nodes=2"]) is None
+
+
+def test_env_flag(monkeypatch):
+    for value, expected in (("1", True), ("yes", True), ("0", False), ("False", False), ("", False)):
+        monkeypatch.setenv("DDPEXP_X", value)
+        assert cli.env_flag("DDPEXP_X") is expected
+    monkeypatch.delenv("DDPEXP_X")
+    assert not cli.env_flag("DDPEXP_X")

@@ -1,0 +1,76 @@
+"""How an operating-system error is told to the user (launch/failures.py)."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+from ddpexp.errors import ConfigError
+from ddpexp.launch import failures
+
+
+@pytest.mark.parametrize("code, message", [
+    (errno.ENOSPC, (r"no space left on the device that holds /data/x. Free some space there, or "
+                    r"point data.root at another disk \(nothing already saved was replaced")),
+    (errno.EDQUOT, r"disk quota exceeded writing /data/x. Free some space, or point data.root"),
+    (errno.EACCES, r"permission denied: /data/x. Give this user access to it, or point data.root"),
+    (errno.EPERM, r"permission denied: /data/x"),
+    (errno.EROFS, r"/data/x is on a read-only file system; point data.root at a writable place"),
+])
+def test_explain_os_error(code, message):
+    exc = failures.explain_os_error(OSError(code, "strerror", "/data/x"), data_root="/data")
+    assert isinstance(exc, ConfigError)
+    with pytest.raises(ConfigError, match=message):
+        raise exc
+
+
+def test_key_for_run_dir_and_unknown():
+    exc = failures.explain_os_error(OSError(errno.EIO, "I/O error", "/runs/a/last.pt"),
+                                    data_root="/data", run_dir="/runs/a")
+    assert str(exc) == "I/O error: /runs/a/last.pt (check hydra.run.dir)"
+    exc = failures.explain_os_error(OSError(errno.EIO, "I/O error"))
+    assert str(exc) == "I/O error: a file (check data.root or hydra.run.dir)"
+
+
+def test_newest_config_dir(tmp_path):
+    assert failures._newest_config_dir(tmp_path) == tmp_path / ".hydra"
+    for name in ("resume-1", "resume-10", "resume-2", "resume-x"):
+        (tmp_path / ".hydra" / name).mkdir(parents=True)
+    assert failures._newest_config_dir(tmp_path) == tmp_path / ".hydra" / "resume-10"
+
+
+def test_tidy_removes_fresh_dir_with_only_config(tmp_path):
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / "ddpexp.log").write_text("x")
+    failures._tidy(run, run / ".hydra", run / "checkpoints" / "last.pt", None, fresh=True)
+    assert not run.exists()
+
+
+def test_tidy_keeps_dir_with_work(tmp_path):
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / "metrics.json").write_text("{}")
+    failures._tidy(run, run / ".hydra", run / "checkpoints" / "last.pt", None, fresh=True)
+    assert (run / "metrics.json").exists()
+
+
+def test_tidy_removes_unused_resume_config(tmp_path):
+    run = tmp_path / "run"
+    resume = run / ".hydra" / "resume-1"
+    resume.mkdir(parents=True)
+    (run / "checkpoints").mkdir()
+    last = run / "checkpoints" / "last.pt"
+    last.write_bytes(b"x")
+    stamp = failures._stamp(last)
+    failures._tidy(run, resume, last, stamp, fresh=False)
+    assert not resume.exists() and last.exists()
+
+
+def test_select_unresolvable_is_none():
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"data": {"root": "${oc.env:DDPEXP_SURELY_UNSET_VAR}"}})
+    assert failures._select(cfg, "data.root") is None
+    assert failures._select(OmegaConf.create({"data": {"root": "/x"}}), "data.root") == "/x"
