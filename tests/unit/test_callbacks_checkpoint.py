@@ -21,7 +21,7 @@ def test_every_n_steps_saves_mid_epoch(trainer_factory):
     class Watch(ModelCheckpoint):
         def save(self, trainer, best=False, ranked=None):
             super().save(trainer, best, ranked)
-            saved = torch.load(self.dir / "last.pt", weights_only=True)
+            saved = torch.load(self.dirpath / "last.pt", weights_only=True)
             steps.append((saved["step"], saved["epoch"], saved["batch"]))
 
     trainer_factory(samples=(48, 8, 0), callbacks={"checkpoint": Watch(every_n_steps=2)}).fit()

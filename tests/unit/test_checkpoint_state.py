@@ -61,7 +61,7 @@ def test_load_resumes_weights_optimizer_counters(fitted, trainer_factory):
     fresh = trainer_factory("second", callbacks=callbacks(), max_epochs=3, seed=1)
     state.load(fresh, path)
     assert (fresh.epoch, fresh.step) == (2, 8)
-    assert fresh.history == saved["history"] and fresh.metrics == saved["metrics"]
+    assert fresh.state.history == saved["history"] and fresh.state.metrics == saved["metrics"]
     for k, v in fresh.module.state_dict().items():
         assert torch.equal(saved["model"][k], v), k
     buf = fresh.optimizer.state_dict()["state"][0]["momentum_buffer"]

@@ -20,20 +20,20 @@ def fitted(trainer_factory):
 
 def test_evaluate_checkpoint_on_test(fitted, trainer_factory):
     other = trainer_factory("eval", seed=5)
-    result = evaluation.evaluate_checkpoint(other, fitted.ckpt_dir / "best.pt", "test")
+    result = evaluation.evaluate_checkpoint(other, fitted.checkpoint_callback.dirpath / "best.pt", "test")
     assert set(result) == {"metrics", "epoch", "samples"}
     assert set(result["metrics"]) == {"test/loss", "test/acc"}
     assert result["samples"] == 16
-    saved = torch.load(fitted.ckpt_dir / "best.pt", weights_only=True)
+    saved = torch.load(fitted.checkpoint_callback.dirpath / "best.pt", weights_only=True)
     assert result["epoch"] == saved["history"][-1]["epoch"]
     for k, v in other.module.state_dict().items():  # left holding those weights
         assert torch.equal(v, saved["model"][k])
 
 
 def test_evaluate_checkpoint_matches_fit_validation(fitted, trainer_factory):
-    saved = torch.load(fitted.ckpt_dir / "last.pt", weights_only=True)
+    saved = torch.load(fitted.checkpoint_callback.dirpath / "last.pt", weights_only=True)
     other = trainer_factory("eval", seed=5)
-    result = evaluation.evaluate_checkpoint(other, fitted.ckpt_dir / "last.pt", "val")
+    result = evaluation.evaluate_checkpoint(other, fitted.checkpoint_callback.dirpath / "last.pt", "val")
     assert result["metrics"] == pytest.approx(saved["metrics"])
     assert result["epoch"] == 1
 
@@ -63,10 +63,14 @@ def test_evaluate_best_keeps_last_weights(fitted, caplog):
 def test_evaluate_best_without_best_pt(trainer_factory, caplog):
     import logging
 
-    t = trainer_factory()
+    t = trainer_factory(callbacks={"checkpoint": ModelCheckpoint()})
     with caplog.at_level(logging.WARNING, logger="ddpexp"):
-        assert evaluation.evaluate_best(t) is None
+        assert evaluation.evaluate_best(t) is None  # nothing saved yet
     assert "best.pt does not exist: test skipped" in caplog.text
+    bare = trainer_factory("bare")
+    with caplog.at_level(logging.INFO, logger="ddpexp"):
+        assert evaluation.evaluate_best(bare) is None
+    assert "no checkpoint callback (~callbacks.checkpoint), so no best.pt: test skipped" in caplog.text
 
 
 def test_evaluate_best_without_test_split(trainer_factory, caplog):
