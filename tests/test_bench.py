@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import finish
+from helpers import finish
 
 ROOT = Path(__file__).resolve().parent.parent
 COLUMNS = ["case", "runner", "samples/s", "speed ratio", "wall s", "wall ratio", "first step s",

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import read_metrics, read_scalars, run_cli, session_pids, start_cli
-from helpers import assert_same_tensors, build_trainer, run_cli_here
+from helpers import (assert_same_tensors, build_trainer, read_metrics, read_scalars, run_cli,
+                     run_cli_here, session_pids, start_cli)
 from test_checkpoint_signals import check_interrupted, interrupt
 
 import ddpexp
@@ -108,7 +108,7 @@ def test_a_stop_asked_by_rank_one_alone_ends_every_rank(workdir, user_conf):
     conf, env = user_conf
     proc = start_cli([*user_args(conf), "trainer.max_epochs=50", "+callbacks.probe.stop_rank=1",
                       "+callbacks.probe.stop_step=3"], workdir, env)
-    from conftest import finish, only_run_dir
+    from helpers import finish, only_run_dir
 
     res = finish(proc, 120)
     assert not res.leftovers and not session_pids(proc.pid)

@@ -18,8 +18,7 @@ import torch
 from ddpexp.checkpoint import io as checkpoint
 from ddpexp.errors import CheckpointError
 
-from conftest import read_metrics, run_cli
-from helpers import assert_same_tensors, build_trainer
+from helpers import assert_same_tensors, build_trainer, read_metrics, run_cli
 
 TINY = [
     "data=synthetic", "data.shape=[1,4,4]", "data.num_classes=3", "data.num_samples=32",

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import finish, read_metrics, run_cli, session_pids, start_cli
+from helpers import finish, read_metrics, run_cli, session_pids, start_cli
 from test_checkpoint_resume import assert_same_final_state, assert_tensorboard_continues, new_run
 
 # No schedule (so the run's length does not shape the lr) and a huge max_epochs: the signal

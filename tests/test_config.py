@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf, open_dict
 
 from ddpexp.config.schema import register_configs
-from conftest import only_run_dir, read_metrics, run_cli
+from helpers import only_run_dir, read_metrics, run_cli
 
 register_configs()
 

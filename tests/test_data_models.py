@@ -12,8 +12,8 @@ import pytest
 import torch
 import yaml
 
-from conftest import only_run_dir, read_metrics, run_cli
-from helpers import write_cifar10, write_idx, write_imagefolder, write_mnist
+from helpers import (only_run_dir, read_metrics, run_cli, write_cifar10, write_idx,
+                     write_imagefolder, write_mnist)
 
 CONF = Path(__file__).resolve().parents[1] / "src" / "ddpexp" / "conf"
 # A couple of optimizer steps, one validation, a TensorBoard point per step.

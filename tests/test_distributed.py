@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import finish, only_run_dir, read_metrics, read_scalars, run_cli, run_dirs, start_cli
+from helpers import finish, only_run_dir, read_metrics, read_scalars, run_cli, run_dirs, start_cli
 
 PLUGINS = str(Path(__file__).parent / "plugins")
 # 256 train samples: 2 batches of 64 per rank and epoch at world size 2.

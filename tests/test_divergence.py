@@ -15,8 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import only_run_dir, run_cli, run_dirs
-from helpers import build_trainer, run_cli_here
+from helpers import build_trainer, only_run_dir, run_cli, run_cli_here, run_dirs
 
 from ddpexp.training.divergence import LossCeiling
 

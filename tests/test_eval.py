@@ -18,9 +18,7 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from conftest import read_metrics, read_scalars, run_cli, run_dirs
-from helpers import build_trainer
-from helpers import write_mnist
+from helpers import build_trainer, read_metrics, read_scalars, run_cli, run_dirs, write_mnist
 
 SYN = ["data=synthetic", "data.num_samples=64", "data.val_samples=16", "data.shape=[6]",
        "data.num_classes=3", "data.batch_size=8", "model=mlp", "model.hidden=[16]"]

@@ -14,9 +14,8 @@ import torch
 from torch import nn
 
 from ddpexp import report
-from conftest import read_metrics, read_scalars, run_cli, run_dirs
-from helpers import build_trainer, compose_config
-from helpers import write_cifar10, write_mnist
+from helpers import (build_trainer, compose_config, read_metrics, read_scalars, run_cli, run_dirs,
+                     write_cifar10, write_mnist)
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "src" / "ddpexp" / "conf"

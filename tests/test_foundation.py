@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import FAST, only_run_dir, read_metrics, read_scalars, run_cli, run_dirs, start_cli, finish
+from helpers import FAST, only_run_dir, read_metrics, read_scalars, run_cli, run_dirs, start_cli, finish
 
 
 @pytest.fixture(scope="module")

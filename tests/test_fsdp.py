@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import only_run_dir, read_metrics, read_scalars, run_cli
+from helpers import only_run_dir, read_metrics, read_scalars, run_cli
 from ddpexp.checkpoint.io import is_sharded
 
 pytestmark = pytest.mark.slow

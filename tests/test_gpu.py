@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import only_run_dir, read_metrics, run_cli
+from helpers import only_run_dir, read_metrics, run_cli
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import finish
+from helpers import finish
 
 ROOT = Path(__file__).resolve().parent.parent
 

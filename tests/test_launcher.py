@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import finish, read_metrics, run_cli, start_cli
+from helpers import finish, read_metrics, run_cli, start_cli
 
 pytestmark = pytest.mark.slow
 

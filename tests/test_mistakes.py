@@ -18,8 +18,7 @@ import pytest
 from ddpexp.config.cli import existing_run_overwritten
 from ddpexp.config.rundir import writable_dir_problem
 from ddpexp.launch.failures import explain_os_error
-from conftest import run_dirs
-from helpers import run_cli_here
+from helpers import run_cli_here, run_dirs
 
 
 # (overrides, what the one message must say)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import read_metrics, run_cli, run_dirs
+from helpers import read_metrics, run_cli, run_dirs
 from test_checkpoint_signals import LONG, check_interrupted, interrupt
 
 pytest.importorskip("mlflow")

@@ -11,7 +11,7 @@ import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import metadata
 
-from conftest import read_metrics, run_cli
+from helpers import read_metrics, run_cli
 
 TINY = ["model=mlp", "model.hidden=[16]", "data=synthetic", "data.shape=[6]", "data.num_classes=3",
         "data.num_samples=256", "data.val_samples=64", "trainer.max_epochs=3",

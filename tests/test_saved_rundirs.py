@@ -14,7 +14,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import read_metrics
+from helpers import read_metrics
 
 FIXTURES = Path(__file__).parent / "fixtures" / "rundirs"
 

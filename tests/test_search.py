@@ -15,7 +15,7 @@ import yaml
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
-from conftest import finish, read_metrics, run_cli, start_cli
+from helpers import finish, read_metrics, run_cli, start_cli
 from ddpexp.callbacks import pruning as trial_side
 from ddpexp.sweep import pruning
 from ddpexp.errors import ConfigError

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import slurm_cluster
-from conftest import finish, read_metrics, read_scalars
+from helpers import finish, read_metrics, read_scalars
 from test_checkpoint_resume import assert_same_final_state
 from test_checkpoint_signals import LONG, wait_for
 

@@ -15,8 +15,7 @@ import torch
 from sklearn.metrics import f1_score, roc_auc_score
 from torch.utils.data import default_collate
 
-from conftest import read_metrics, read_scalars, run_cli
-from helpers import build_trainer, run_cli_here
+from helpers import build_trainer, read_metrics, read_scalars, run_cli, run_cli_here
 from ddpexp.errors import ConfigError
 
 METRICS = ["task.metrics=[f1,auroc]"]

@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import read_metrics, read_scalars, run_cli, run_dirs
-from helpers import build_trainer, compose_config
-from helpers import assert_same_tensors
+from helpers import (assert_same_tensors, build_trainer, compose_config, read_metrics, read_scalars,
+                     run_cli, run_dirs)
 
 from ddpexp import Task
 from ddpexp.errors import ConfigError

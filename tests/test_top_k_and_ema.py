@@ -10,9 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import read_metrics, run_cli, run_dirs
-from helpers import build_trainer
-from helpers import assert_same_tensors
+from helpers import assert_same_tensors, build_trainer, read_metrics, run_cli, run_dirs
 
 # Small and noisy, with dropout (the RNG matters) and a schedule (its state matters).
 ARGS = [

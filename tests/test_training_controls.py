@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import only_run_dir, read_metrics, read_scalars, run_cli
-from helpers import build_trainer
+from helpers import build_trainer, only_run_dir, read_metrics, read_scalars, run_cli
 
 from ddpexp.errors import ConfigError
 
