@@ -15,7 +15,7 @@ import yaml
 from helpers import (only_run_dir, read_metrics, run_cli, write_cifar10, write_idx,
                      write_imagefolder, write_mnist)
 
-CONF = Path(__file__).resolve().parents[1] / "src" / "ddpexp" / "conf"
+CONF = Path(__file__).resolve().parents[2] / "src" / "ddpexp" / "conf"
 # A couple of optimizer steps, one validation, a TensorBoard point per step.
 TINY = ["trainer.max_steps=2", "trainer.max_epochs=1", "trainer.log_every_n_steps=1",
         "data.batch_size=4"]

@@ -19,10 +19,10 @@ from helpers import only_run_dir, read_metrics, run_cli
 
 register_configs()
 
-CONF = Path(__file__).parents[1] / "src" / "ddpexp" / "conf"
+CONF = Path(__file__).parents[2] / "src" / "ddpexp" / "conf"
 GROUPS = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml")) for g in
           ("task", "model", "data", "optimizer", "scheduler", "trainer")}
-README = Path(__file__).parents[1] / "README.md"
+README = Path(__file__).parents[2] / "README.md"
 # Options that only make sense together: built as one trainer, which runs the task's
 # validation step on real samples before anything trains.
 LM = ["task=lm", "model=gpt", "data=text", f"data.path={README}"]
@@ -146,7 +146,7 @@ def test_a_failed_run_keeps_what_was_written(workdir):
 @pytest.mark.slow
 def test_plain_install_into_another_directory(tmp_path):
     """The config ships inside the package: a non-editable install elsewhere still runs."""
-    repo = Path(__file__).parents[1]
+    repo = Path(__file__).parents[2]
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                     "--target", str(target), str(repo)], check=True, timeout=300, cwd=tmp_path)

@@ -23,7 +23,7 @@ from test_checkpoint_signals import LONG, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-PLUGINS = str(Path(__file__).parent / "plugins")
+PLUGINS = str(Path(__file__).parents[1] / "plugins")
 # 256 train samples: 2 batches of 64 per rank and epoch at world size 2.
 TINY = ["data=synthetic", "data.shape=[6]", "data.num_classes=3", "data.num_samples=256",
         "data.val_samples=101", "model=mlp", "model.hidden=[16]", "trainer.log_every_n_steps=1",

@@ -49,7 +49,7 @@ def test_each_mistake_gets_one_message(tmp_path, monkeypatch, capsys, overrides,
     assert run_dirs(tmp_path) == []
 
 
-PLUGINS = str(Path(__file__).parent / "plugins")
+PLUGINS = str(Path(__file__).parents[1] / "plugins")
 
 # Mistakes only the data or the model reveal: caught on one batch before the first step.
 BATCH_MISTAKES = [

@@ -19,7 +19,7 @@ from ddpexp.checkpoint.io import is_sharded
 
 pytestmark = pytest.mark.slow
 
-PLUGINS = str(Path(__file__).parent / "plugins")
+PLUGINS = str(Path(__file__).parents[1] / "plugins")
 # 256 train samples: 8 batches of 16 per rank and epoch at world size 2.
 TINY = ["data=synthetic", "data.shape=[6]", "data.num_classes=3", "data.num_samples=256",
         "data.val_samples=101", "model=mlp", "model.hidden=[16,16]", "trainer.log_every_n_steps=1",

@@ -13,7 +13,7 @@ import pytest
 
 from helpers import finish
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COLUMNS = ["case", "runner", "samples/s", "speed ratio", "wall s", "wall ratio", "first step s",
            "max RSS MiB", "memory ratio"]
 

@@ -29,8 +29,8 @@ from ddpexp.loggers import (
 )
 from ddpexp.loggers.mlflow import end_state, flatten_params, require_mlflow
 
-CONF = Path(__file__).resolve().parents[1] / "src" / "ddpexp" / "conf"
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "config.md"
+CONF = Path(__file__).resolve().parents[2] / "src" / "ddpexp" / "conf"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 ALL = "logger=[tensorboard,csv,mlflow]"
 
 

@@ -17,7 +17,7 @@ from ddpexp import report
 from helpers import (build_trainer, compose_config, read_metrics, read_scalars, run_cli, run_dirs,
                      write_cifar10, write_mnist)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONF = REPO / "src" / "ddpexp" / "conf"
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 DEBUGS = sorted(p.stem for p in (CONF / "debug").glob("*.yaml"))

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from helpers import read_metrics
 
-FIXTURES = Path(__file__).parent / "fixtures" / "rundirs"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "rundirs"
 
 
 def eval_main(*args: str) -> tuple[int, str]:

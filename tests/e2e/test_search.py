@@ -84,7 +84,7 @@ def test_config_reference_lists_every_sweeper_key() -> None:
     from hydra_plugins.ddpexp_optuna_sweeper.config import (OptunaAsyncSweeperConf, PrunerConf,
                                                             SamplerConf)
 
-    doc = (Path(__file__).parents[1] / "docs" / "config.md").read_text()
+    doc = (Path(__file__).parents[2] / "docs" / "config.md").read_text()
     keys = [f"hydra.sweeper.{f.name}" for f in fields(OptunaAsyncSweeperConf)
             if f.name not in ("_target_", "sampler", "pruner")]
     keys += [f"hydra.sweeper.sampler.{f.name}" for f in fields(SamplerConf)]
