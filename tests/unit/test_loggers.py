@@ -1,16 +1,14 @@
 """The loggers seam on its own: the ``logger`` group composes, ``build_loggers`` refuses bad
 entries, and each logger, driven as the trainer drives it, leaves what its own reader reads back
-(TensorBoard's EventAccumulator, the csv module, MlflowClient), also across a resume and with
-several processes writing one MLflow database at once."""
+(TensorBoard's EventAccumulator, the csv module, MlflowClient), also across a resume (several
+processes writing one MLflow database at once: tests/e2e/test_mlflow_runs.py)."""
 
 from __future__ import annotations
 
 import csv
 import io
 import math
-import multiprocessing
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -302,58 +300,3 @@ def test_mlflow_resume_without_saved_state_finds_the_run_by_its_dir(tmp_path, co
     assert second.run_id == first.run_id
     steps = sorted(m.step for m in _mlflow_client(root).get_metric_history(first.run_id, "lr"))
     assert steps == list(range(1, 7))
-
-
-# ------------------------------------------------------------------ concurrency
-def _write_concurrently(root: str, job: int, barrier) -> None:
-    """A sweep job: its own MLflow run in the shared database, many small batches."""
-    name = f"multirun/2026-12-01/10-20-00/{job}"
-    run = RunInfo(Path(root) / name, name, {"job": job, "trainer": {"max_epochs": 3}},
-                  {"job": job}, False, 0)
-    run.run_dir.mkdir(parents=True)
-    logger = MLflowLogger(flush_every_points=20, flush_every_s=0)
-    barrier.wait(60)
-    logger.open(run)
-    logger.log_hparams(run.hparams)
-    for s in range(1, 201):
-        logger.log_metrics({"train/loss": job + 1 / s, "lr": 0.01 * s}, step=s, epoch=0)
-    logger.finalize("completed")
-    (run.run_dir / "run_id").write_text(logger.run_id)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_four_jobs_write_one_sqlite_store_at_once(tmp_path):
-    root = tmp_path / "outputs"
-    node = {"_target_": "ddpexp.loggers.MLflowLogger", "tracking_uri": None}
-    prepare_loggers({"mlflow": node}, root)
-    assert (root / "mlflow.db").is_file()
-    ctx = multiprocessing.get_context("spawn")
-    barrier = ctx.Barrier(4)
-    procs = [ctx.Process(target=_write_concurrently, args=(str(root), job, barrier))
-             for job in range(4)]
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + 120
-        for p in procs:
-            p.join(max(1.0, deadline - time.monotonic()))
-        assert [p.exitcode for p in procs] == [0, 0, 0, 0]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    assert not any(p.is_alive() for p in procs)
-
-    client = _mlflow_client(root)
-    for job in range(4):
-        run_id = (root / f"multirun/2026-12-01/10-20-00/{job}/run_id").read_text()
-        stored = client.get_run(run_id)
-        assert stored.info.status == "FINISHED"
-        assert stored.data.params == {"job": str(job), "trainer.max_epochs": "3"}
-        for key in ("train/loss", "lr"):
-            history = client.get_metric_history(run_id, key)
-            assert sorted(m.step for m in history) == list(range(1, 201)), (job, key)
-    experiment = client.get_experiment_by_name("ddpexp")
-    assert len(client.search_runs([experiment.experiment_id])) == 4

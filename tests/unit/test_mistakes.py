@@ -9,14 +9,12 @@ from __future__ import annotations
 import errno
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from ddpexp.config.cli import existing_run_overwritten
-from ddpexp.config.rundir import writable_dir_problem
 from ddpexp.launch.failures import explain_os_error
 from helpers import run_cli_here, run_dirs
 
@@ -134,62 +132,6 @@ def test_overwrite_true_starts_the_run_over(tmp_path, monkeypatch, capsys):
     assert (run_dir / "checkpoints" / "last.pt").read_bytes() != b"weights"
     assert (run_dir / "notes.txt").read_text() == "mine"
     assert "log\n" not in (run_dir / "ddpexp.log").read_text()[:4]
-
-
-def _mount_tmpfs(path: Path, options: str) -> bool:
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
-
-
-@pytest.fixture
-def full_disk(tmp_path):
-    """A file system with room for a run's config and log but not its checkpoint (a small
-    tmpfs; mounting one needs root)."""
-    path = tmp_path / "small"
-    path.mkdir()
-    if os.geteuid() != 0 or not _mount_tmpfs(path, "size=160k"):
-        pytest.skip("no small file system can be mounted here")
-    yield path
-    subprocess.run(["umount", "-l", str(path)], check=False)  # lazily: a log may still be open
-
-
-def test_a_full_disk_is_one_message(full_disk, tmp_path, monkeypatch, capsys):
-    run_dir = full_disk / "run"
-    code, text = run_cli_here([f"hydra.run.dir={run_dir}", "trainer.max_epochs=1"], tmp_path,
-                              monkeypatch, capsys)
-    assert code != 0 and "Traceback" not in text and "unexpected pos" not in text
-    assert f"no space left on the device that holds {run_dir}/checkpoints/last.pt" in text
-    assert "point hydra.run.dir at another disk" in text
-    assert not list((run_dir / "checkpoints").glob("*.pt*"))  # no partial checkpoint
-    metrics = json.loads((run_dir / "metrics.json").read_text())
-    assert metrics["status"] == "failed" and "no space left" in metrics["error"]
-
-
-@pytest.fixture
-def readonly_dir(tmp_path):
-    """A directory nobody may write to: a read-only mount for root (whom permissions do not
-    stop), a mode-555 dir for anyone else."""
-    path = tmp_path / "ro"
-    path.mkdir()
-    if os.geteuid() != 0:
-        path.chmod(0o555)
-        yield path
-        path.chmod(0o755)
-        return
-    if not _mount_tmpfs(path, "ro,size=64k"):
-        pytest.skip("root, and no read-only mount possible here")
-    yield path
-    subprocess.run(["umount", "-l", str(path)], check=False)  # lazily: a log may still be open
-
-
-def test_an_unwritable_output_dir_is_one_message(readonly_dir, tmp_path, monkeypatch, capsys):
-    assert "cannot create the run dir" in writable_dir_problem(readonly_dir / "run")
-    code, text = run_cli_here([f"hydra.run.dir={readonly_dir}/run"], tmp_path, monkeypatch, capsys)
-    assert code != 0 and "Traceback" not in text
-    assert f"cannot create the run dir {readonly_dir}/run" in text and "hydra.run.dir" in text
-    # The default ./outputs in a directory that cannot be written.
-    code, text = run_cli_here([], readonly_dir, monkeypatch, capsys)
-    assert code != 0 and "cannot create the run dir outputs" in text and "Traceback" not in text
 
 
 @pytest.mark.parametrize("code, says", [

@@ -6,8 +6,6 @@ import csv
 import io
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -71,14 +69,13 @@ def test_format_rejects_unknown_format() -> None:
         report.format_rows([], "html")
 
 
-def test_cli_prints_the_table(tmp_path: Path) -> None:
+def test_cli_prints_the_table(tmp_path: Path, capsys) -> None:
     fake_run(tmp_path / "sweep" / "0", ["lr=0.1"], metrics(0.5, 0.4))
-    out = subprocess.run([sys.executable, "-m", "ddpexp.report", str(tmp_path), "-f", "md"],
-                         capture_output=True, text=True, timeout=60, check=True).stdout
-    assert "| sweep/0 | lr=0.1 | completed | 0.4000 | 0.5000 |" in out
-    bad = subprocess.run([sys.executable, "-m", "ddpexp.report", str(tmp_path / "nope")],
-                         capture_output=True, text=True, timeout=60)
-    assert bad.returncode != 0 and "is not a directory" in bad.stderr
+    assert report.main([str(tmp_path), "-f", "md"]) == 0
+    assert "| sweep/0 | lr=0.1 | completed | 0.4000 | 0.5000 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as bad:
+        report.main([str(tmp_path / "nope")])
+    assert bad.value.code != 0 and "is not a directory" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ test column and seeds
