@@ -21,7 +21,8 @@ from helpers import finish, read_metrics, read_scalars
 from test_checkpoint_resume import assert_same_final_state
 from test_checkpoint_signals import LONG, wait_for
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+# The session's cluster apt-gets munge and slurm where they are missing (slurm_cluster.install).
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.host]
 
 PLUGINS = str(Path(__file__).parents[1] / "plugins")
 # 256 train samples: 2 batches of 64 per rank and epoch at world size 2.
