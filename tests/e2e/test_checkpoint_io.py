@@ -18,7 +18,7 @@ import torch
 from ddpexp.checkpoint import io as checkpoint
 from ddpexp.errors import CheckpointError
 
-from helpers import assert_same_tensors, build_trainer, read_metrics, run_cli
+from helpers import assert_same_tensors, build_trainer, read_metrics, run_cli_here
 
 TINY = [
     "data=synthetic", "data.shape=[1,4,4]", "data.num_classes=3", "data.num_samples=32",
@@ -112,9 +112,10 @@ def test_malicious_checkpoint_is_refused_and_never_runs(tmp_path):
     assert marker.exists()
 
 
-def _real_checkpoint(workdir: Path) -> Path:
+def _real_checkpoint(workdir: Path, monkeypatch, capsys) -> Path:
     run_dir = workdir / "outputs" / "run"
-    run_cli([*TINY, f"hydra.run.dir={run_dir}"], workdir)
+    code, text = run_cli_here([*TINY, f"hydra.run.dir={run_dir}"], workdir, monkeypatch, capsys)
+    assert code == 0, text
     return run_dir
 
 
@@ -194,14 +195,14 @@ def test_each_unreadable_file_is_named_for_what_it_is(tmp_path):
             assert ("unsafe pickle" in str(caught.value)) == (path == with_path)
 
 
-def test_cli_resume_from_bytes_that_are_no_checkpoint(workdir):
-    run_dir = workdir / "run"
+def test_cli_resume_from_bytes_that_are_no_checkpoint(tmp_path, monkeypatch, capsys):
+    run_dir = tmp_path / "run"
     build_trainer(run_dir, [*TINY, "trainer.test=false"]).fit()
     last = _not_a_checkpoint(run_dir / "checkpoints" / "last.pt")
     before = _snapshot(run_dir)
-    res = run_cli([*TINY, f"resume={run_dir}"], workdir, expect_ok=False)
-    _assert_clean_failure(res, f"{last} is not a checkpoint: its 4096 bytes")
-    assert res.stderr.count("is not a checkpoint") == 1 and "unsafe" not in res.output
+    code, text = run_cli_here([*TINY, f"resume={run_dir}"], tmp_path, monkeypatch, capsys)
+    _assert_clean_failure(code, text, f"{last} is not a checkpoint: its 4096 bytes")
+    assert text.count("is not a checkpoint") == 1 and "unsafe" not in text
     after = _snapshot(run_dir)
     assert {k: after.get(k) for k in before} == before  # nothing it held was touched
 
@@ -210,16 +211,17 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
     return {str(p.relative_to(run_dir)): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
 
 
-def _assert_clean_failure(res, *needles: str) -> None:
-    assert res.returncode != 0
-    assert "Traceback" not in res.output, res.output
+def _assert_clean_failure(code: int, text: str, *needles: str) -> None:
+    """The CLI (run in this process) exited non-zero with each of ``needles`` and no traceback."""
+    assert code != 0
+    assert "Traceback" not in text, text
     for needle in needles:
-        assert needle in res.stderr, res.stderr
+        assert needle in text, text
 
 
-@pytest.mark.slow
-def test_cli_refuses_bad_checkpoints_and_keeps_the_run(workdir):
-    run_dir = _real_checkpoint(workdir)
+def test_cli_refuses_bad_checkpoints_and_keeps_the_run(tmp_path, monkeypatch, capsys):
+    workdir = tmp_path
+    run_dir = _real_checkpoint(workdir, monkeypatch, capsys)
     before = _snapshot(run_dir)
     last = run_dir / "checkpoints" / "last.pt"
 
@@ -227,16 +229,16 @@ def test_cli_refuses_bad_checkpoints_and_keeps_the_run(workdir):
     good = last.read_bytes()
     last.write_bytes(good[: len(good) // 2])  # in place: best.pt is a file of its own
     before["checkpoints/last.pt"] = last.read_bytes()
-    res = run_cli([*TINY, f"resume={run_dir}"], workdir, expect_ok=False)
-    _assert_clean_failure(res, f"checkpoint {last} is truncated or corrupt",
+    code, text = run_cli_here([*TINY, f"resume={run_dir}"], workdir, monkeypatch, capsys)
+    _assert_clean_failure(code, text, f"checkpoint {last} is truncated or corrupt",
                           f"resume={run_dir / 'checkpoints' / 'best.pt'}")
 
     # A code-running pickle, resumed by file: refused, never run.
     marker = workdir / "pwned"
     evil = _malicious(run_dir / "checkpoints" / "evil.pt", marker)
     before["checkpoints/evil.pt"] = evil.read_bytes()
-    res = run_cli([*TINY, f"resume={evil}"], workdir, expect_ok=False)
-    _assert_clean_failure(res, f"checkpoint {evil} holds objects that only an unsafe pickle")
+    code, text = run_cli_here([*TINY, f"resume={evil}"], workdir, monkeypatch, capsys)
+    _assert_clean_failure(code, text, f"checkpoint {evil} holds objects that only an unsafe pickle")
     assert not marker.exists()
 
     # Everything the run had written is still there, byte for byte (Hydra only adds the
@@ -247,11 +249,12 @@ def test_cli_refuses_bad_checkpoints_and_keeps_the_run(workdir):
     assert read_metrics(run_dir)["status"] == "completed"
 
 
-def test_cli_missing_resume_path(workdir):
+def test_cli_missing_resume_path(tmp_path, monkeypatch, capsys):
+    workdir = tmp_path
     missing = workdir / "no" / "such" / "run"
-    res = run_cli([*TINY, f"resume={missing}"], workdir, expect_ok=False)
-    _assert_clean_failure(res, f"resume={missing} is neither auto, a run dir nor a checkpoint file")
+    code, text = run_cli_here([*TINY, f"resume={missing}"], workdir, monkeypatch, capsys)
+    _assert_clean_failure(code, text, f"resume={missing} is neither auto, a run dir nor a checkpoint file")
     empty = workdir / "empty_run"
     empty.mkdir()
-    res = run_cli([*TINY, f"resume={empty}"], workdir, expect_ok=False)
-    _assert_clean_failure(res, f"{empty}/checkpoints/last.pt does not exist")
+    code, text = run_cli_here([*TINY, f"resume={empty}"], workdir, monkeypatch, capsys)
+    _assert_clean_failure(code, text, f"{empty}/checkpoints/last.pt does not exist")
