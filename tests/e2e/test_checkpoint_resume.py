@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import assert_same_tensors, read_metrics, read_scalars, run_cli, run_dirs
+from helpers import (assert_same_tensors, read_metrics, read_scalars, run_cli, run_cli_in_process,
+                     run_dirs)
 
 # Tiny but not trivial: dropout (so the RNG state matters), SGD with momentum (optimizer
 # state), a per-epoch step schedule (scheduler state), and log steps that do not divide the
@@ -106,9 +107,9 @@ def test_resume_is_bit_identical(workdir, uninterrupted, procs, where):
 @pytest.mark.slow
 def test_resume_auto_into_run_dir(workdir, uninterrupted):
     run_dir = workdir / "outputs" / "mine"
-    first = run_cli([*TINY, "trainer.max_steps=5", f"hydra.run.dir={run_dir}"], workdir)
+    first = run_cli_in_process([*TINY, "trainer.max_steps=5", f"hydra.run.dir={run_dir}"], workdir)
     assert "resumed from" not in first.output
-    res = run_cli([*TINY, "resume=auto", f"hydra.run.dir={run_dir}"], workdir)
+    res = run_cli_in_process([*TINY, "resume=auto", f"hydra.run.dir={run_dir}"], workdir)
     assert f"resumed from {run_dir}/checkpoints/last.pt" in res.output
     assert_same_final_state(run_dir, uninterrupted[1])
     assert_tensorboard_continues(run_dir, uninterrupted[1])
@@ -116,8 +117,8 @@ def test_resume_auto_into_run_dir(workdir, uninterrupted):
 
 def test_resume_auto_without_checkpoint_starts_afresh(workdir):
     run_dir = workdir / "outputs" / "fresh"
-    res = run_cli([*TINY, "trainer.max_steps=3", "resume=auto", f"hydra.run.dir={run_dir}"],
-                  workdir)
+    res = run_cli_in_process([*TINY, "trainer.max_steps=3", "resume=auto",
+                              f"hydra.run.dir={run_dir}"], workdir)
     assert "resumed from" not in res.output
     assert f"resume=auto: no checkpoint in {run_dir}/checkpoints, starting from scratch" in res.output
     assert read_metrics(run_dir)["steps"] == 3

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import (only_run_dir, read_metrics, run_cli, write_cifar10, write_imagefolder,
-                     write_mnist)
+from helpers import (one_worker, only_run_dir, read_metrics, run_cli, run_cli_in_process,
+                     write_cifar10, write_imagefolder, write_mnist)
 
 # A couple of optimizer steps, one validation, a TensorBoard point per step.
 TINY = ["trainer.max_steps=2", "trainer.max_epochs=1", "trainer.log_every_n_steps=1",
@@ -20,8 +20,12 @@ TINY = ["trainer.max_steps=2", "trainer.max_epochs=1", "trainer.log_every_n_step
 
 # ---------------------------------------------------------------- writers of real formats
 def trained(cwd: Path, args: list[str], **kw) -> dict:
-    """Run the CLI and return metrics.json after checking that it trained."""
-    run_cli(args, cwd, **kw)
+    """Run the CLI (in this process where the run is one worker) and return metrics.json
+    after checking that it trained."""
+    if one_worker(args):
+        run_cli_in_process(args, cwd, **kw)
+    else:
+        run_cli(args, cwd, **kw)
     metrics = read_metrics(only_run_dir(cwd))
     assert metrics["status"] == "completed", metrics
     assert metrics["steps"] >= 1
@@ -66,7 +70,7 @@ def test_cifar10_python_batches_single(workdir):
 
 def test_cifar10_refuses_unofficial_files_unless_verify_false(workdir):
     write_cifar10(workdir / "c")
-    res = run_cli(["data=cifar10", "data.root=c", *TINY], workdir, expect_ok=False)
+    res = run_cli_in_process(["data=cifar10", "data.root=c", *TINY], workdir, expect_ok=False)
     assert res.returncode != 0
     assert "MD5" in res.stderr and "data.verify=false" in res.stderr
     assert "Traceback" not in res.stderr
@@ -119,7 +123,7 @@ def test_loader_settings_reach_the_dataloader(tmp_path):
 
 def test_missing_files_give_a_clear_message(workdir):
     """Through the CLI: one message naming the folder and the files, no traceback, exit 1."""
-    res = run_cli(["data=mnist", "data.root=nowhere", *TINY], workdir, expect_ok=False)
+    res = run_cli_in_process(["data=mnist", "data.root=nowhere", *TINY], workdir, expect_ok=False)
     assert res.returncode != 0
     assert "Traceback" not in res.stderr
     raw = workdir / "nowhere" / "MNIST" / "raw"
@@ -186,8 +190,8 @@ def test_user_model_ddp(workdir, user_model):
 
 
 def test_non_module_target_is_refused(workdir):
-    res = run_cli(["model._target_=builtins.dict", "~model.input_shape", "~model.num_classes",
-                   "~model.channels", "~model.hidden", "~model.dropout", *TINY],
-                  workdir, expect_ok=False)
+    res = run_cli_in_process(["model._target_=builtins.dict", "~model.input_shape",
+                              "~model.num_classes", "~model.channels", "~model.hidden",
+                              "~model.dropout", *TINY], workdir, expect_ok=False)
     assert res.returncode != 0 and "not a torch.nn.Module" in res.stderr
     assert "Traceback" not in res.stderr

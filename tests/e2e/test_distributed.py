@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import finish, only_run_dir, read_metrics, read_scalars, run_cli, run_dirs, start_cli
+from helpers import (finish, only_run_dir, read_metrics, read_scalars, run_cli, run_cli_in_process,
+                     run_dirs, start_cli)
 
 PLUGINS = str(Path(__file__).parents[1] / "plugins")
 # 256 train samples: 2 batches of 64 per rank and epoch at world size 2.
@@ -217,12 +218,12 @@ def test_too_many_gpus_fails_at_once(workdir):
 
 
 def test_dp_strategy_runs_one_process_on_cpu(workdir):
-    res = run_cli([*TINY, "trainer.strategy=dp", "trainer.max_epochs=1"], workdir)
+    res = run_cli_in_process([*TINY, "trainer.strategy=dp", "trainer.max_epochs=1"], workdir)
     assert "1 worker(s): strategy=dp" in res.output
     assert read_metrics(only_run_dir(workdir))["world_size"] == 1
 
 
 def test_ddp_strategy_with_one_worker(workdir):
-    res = run_cli([*TINY, "trainer.strategy=ddp", "trainer.max_epochs=1"], workdir)
+    res = run_cli_in_process([*TINY, "trainer.strategy=ddp", "trainer.max_epochs=1"], workdir)
     assert "1 worker(s): strategy=ddp" in res.output
     assert read_metrics(only_run_dir(workdir))["status"] == "completed"

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.host  # pip install --target of the wheels it finds (the offline install path)
 @pytest.mark.timeout(400)
 def test_gpu_check_dry_run_writes_its_table(tmp_path: Path) -> None:
     out = tmp_path / "out"

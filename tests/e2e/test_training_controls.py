@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import only_run_dir, read_metrics, read_scalars, run_cli
+from helpers import (one_worker, only_run_dir, read_metrics, read_scalars, run_cli,
+                     run_cli_in_process)
 
 # Tiny learnable data and an MLP without BatchNorm or dropout, so a step's gradient is a plain
 # function of which samples it saw.
@@ -21,9 +22,14 @@ PLAIN_SGD = ["optimizer.momentum=0.0", "optimizer.weight_decay=0.0"]
 
 
 def run(cwd: Path, args: list[str], **kw) -> Path:
-    """Run the CLI in a fresh sub-dir of ``cwd`` and return the run dir."""
+    """Run the CLI in a fresh sub-dir of ``cwd`` and return the run dir: in this process
+    where the run is one worker (torch.compile aside, whose caches would outlive the test),
+    else as its own process."""
     cwd.mkdir(parents=True, exist_ok=True)
-    run_cli(args, cwd, **kw)
+    if one_worker(args) and "trainer.compile=true" not in args:
+        run_cli_in_process(args, cwd, env=kw.get("env"))
+    else:
+        run_cli(args, cwd, **kw)
     return only_run_dir(cwd)
 
 
@@ -105,7 +111,7 @@ def test_bf16_and_channels_last_on_cpu(workdir):
 
 
 def test_fp16_on_cpu_is_refused_clearly(workdir):
-    res = run_cli(["trainer.precision=16"], workdir, expect_ok=False)
+    res = run_cli_in_process(["trainer.precision=16"], workdir, expect_ok=False)
     assert res.returncode != 0 and "Traceback" not in res.stderr
     assert "needs a GPU" in res.stderr and "trainer.precision=bf16" in res.stderr
     assert not (workdir / "outputs").exists() or not list((workdir / "outputs").glob("**/metrics.json"))
@@ -214,9 +220,9 @@ def test_sync_batchnorm_on_cpu_ddp_is_refused(workdir):
 
 
 def test_sync_batchnorm_one_process_is_ignored_with_a_warning(workdir):
-    res = run_cli(["data=synthetic", "data.num_samples=8", "data.val_samples=4",
-                   "data.shape=[1,4,4]", "data.num_classes=3", "data.batch_size=4",
-                   "trainer.sync_batchnorm=true", "trainer.strategy=ddp", "trainer.max_steps=1"],
-                  workdir)
+    res = run_cli_in_process(["data=synthetic", "data.num_samples=8", "data.val_samples=4",
+                              "data.shape=[1,4,4]", "data.num_classes=3", "data.batch_size=4",
+                              "trainer.sync_batchnorm=true", "trainer.strategy=ddp",
+                              "trainer.max_steps=1"], workdir)
     assert "trainer.sync_batchnorm ignored" in res.output
     assert read_metrics(only_run_dir(workdir))["status"] == "completed"

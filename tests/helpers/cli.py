@@ -117,6 +117,82 @@ def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
+_FAN_OUT = ("trainer.procs", "trainer.gpus", "trainer.nodes", "trainer.max_restarts")
+
+
+def one_worker(args: Sequence[str]) -> bool:
+    """Whether ``args`` make one run of one worker on the CPU (no sweep, no fan-out, no
+    restarts): a run that ``python -m ddpexp`` does in its own process, so a test may too."""
+    for arg in args:
+        if arg in ("-m", "--multirun"):
+            return False
+        key, _, value = arg.partition("=")
+        if key.lstrip("+") in _FAN_OUT and value not in ("null", "0", "1"):
+            return False
+        if key.lstrip("+") == "trainer.gpus" and value == "1":
+            return False
+    return True
+
+
+def _end_the_call(code: int = 0) -> None:  # the real exit_now ends the process
+    raise SystemExit(code)
+
+
+def _as_at_start() -> None:
+    """Hydra's version base as ``@hydra.main(version_base="1.3")`` set it when ddpexp's
+    ``__main__`` was first imported: the fixture that resets Hydra's singletons between tests
+    drops it, and without it Hydra would change the working dir of the job (1.1's default)."""
+    from hydra import version
+
+    version.setbase("1.3")
+
+
+def run_cli_in_process(args: Sequence[str], cwd: Path, env: Optional[dict] = None,
+                       expect_ok: bool = True) -> CliResult:
+    """:func:`run_cli` for a run of one worker, in this process: the same :class:`CliResult`
+    (what the CLI wrote to stdout and to stderr), without the seconds a fresh interpreter
+    takes to start and import torch. ``env`` may set variables and prepend to PYTHONPATH
+    (a user's module dir); modules imported from there are forgotten afterwards."""
+    import contextlib
+    import io
+
+    import ddpexp.launch.proc
+    from ddpexp.__main__ import cli
+
+    assert one_worker(args), f"{args} start more than one process: use run_cli"
+    out, err = io.StringIO(), io.StringIO()
+    added: list[str] = []
+    before = set(sys.modules)
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in (env or {}).items():
+            if key == "PYTHONPATH":
+                added = [p for p in value.split(os.pathsep) if p and p not in sys.path]
+                for path in reversed(added):
+                    mp.syspath_prepend(path)
+            else:
+                mp.setenv(key, value)
+        mp.chdir(cwd)
+        mp.setattr(sys, "argv", ["ddpexp", *args])
+        mp.delenv("HYDRA_FULL_ERROR", raising=False)
+        mp.setattr(ddpexp.launch.proc, "exit_now", _end_the_call)
+        code: object = 0
+        _as_at_start()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                cli()
+            except SystemExit as exc:
+                code = exc.code
+    for name in set(sys.modules) - before:
+        where = getattr(sys.modules[name], "__file__", None) or ""
+        if any(where.startswith(path) for path in added):
+            del sys.modules[name]
+    status = code if isinstance(code, int) else (0 if code is None else 1)
+    res = CliResult(status, out.getvalue(), err.getvalue() + (code if isinstance(code, str) else ""), [])
+    if expect_ok:
+        assert res.returncode == 0, f"exit {res.returncode}\nSTDOUT:\n{res.stdout}\nSTDERR:\n{res.stderr}"
+    return res
+
+
 def run_cli_here(args: Sequence[str], cwd: Path, monkeypatch, capsys) -> tuple[int, str]:
     """``python -m ddpexp ARGS`` in this process (Hydra's ``main`` included): its exit status
     and everything it printed. Milliseconds instead of a subprocess's seconds; for runs of
@@ -124,14 +200,12 @@ def run_cli_here(args: Sequence[str], cwd: Path, monkeypatch, capsys) -> tuple[i
     import ddpexp.launch.proc
     from ddpexp.__main__ import cli
 
-    def exit_now(code: int = 0) -> None:  # the real one ends the process: end the call
-        raise SystemExit(code)
-
     monkeypatch.chdir(cwd)
     monkeypatch.setattr(sys, "argv", ["ddpexp", *args])
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    monkeypatch.setattr(ddpexp.launch.proc, "exit_now", exit_now)
+    monkeypatch.setattr(ddpexp.launch.proc, "exit_now", _end_the_call)
     capsys.readouterr()  # what the test printed before is not the CLI's
+    _as_at_start()
     with pytest.raises(SystemExit) as exited:
         cli()
     code = exited.value.code
