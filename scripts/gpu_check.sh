@@ -8,7 +8,7 @@
 #
 #   bash scripts/gpu_check.sh             # on one GPU: about 6-8 minutes on an H200
 #   bash scripts/gpu_check.sh --dry-run   # on the CPU: the same steps, tiny, skipping what
-#                                         # needs CUDA (tests/test_gpu_check.py runs it)
+#                                         # needs CUDA (tests/e2e/test_gpu_check.py runs it)
 #
 # Output folder: $OUT if set, else ./gpu_check_out: gpu_check.md (the table), bench.json and
 # bench_compile.json (every run's figures), pytest.txt, env.txt.

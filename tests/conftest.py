@@ -1,120 +1,54 @@
-"""Shared helpers: run the real CLI in its own session with a timeout, and make sure no
-process of it outlives the test."""
+"""Fixtures shared by both layers of the suite (helpers live in tests/helpers)."""
 
 from __future__ import annotations
 
-import os
+import copy
+import logging
 import signal
-import subprocess
-import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 import pytest
 
-# The tests read a run's metrics.json as ddpexp itself does (from conftest import read_metrics).
-from ddpexp.record import read_metrics  # noqa: F401
-
-# Small, fast settings shared by the end-to-end tests.
-FAST = ["trainer.max_epochs=2", "trainer.log_every_n_steps=5"]
+_SIGNALS = [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP]
 
 
-def session_pids(sid: int) -> list[int]:
-    """Processes still alive in session ``sid`` (everything a CLI run started)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+@pytest.fixture(autouse=True)
+def fresh_process_state():
+    """What a run in this process (``helpers.run_cli_here``, Hydra's launcher suites, a
+    trainer) leaves behind is gone before the next test: Hydra's global state (GlobalHydra,
+    the HydraConfig singleton, its version base), the run dirs ddpexp claimed, signal
+    handlers and the logging handlers a worker installs. Each such test then starts as a
+    fresh ``python -m ddpexp`` would."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.singleton import Singleton
+
+    from ddpexp.config import rundir
+
+    hydra_state = copy.deepcopy(Singleton.get_state())
+    handlers = {sig: signal.getsignal(sig) for sig in _SIGNALS}
+    loggers = {name: (lg.handlers[:], lg.level, lg.propagate) for name, lg in
+               [("", logging.getLogger()), *logging.Logger.manager.loggerDict.items()]
+               if isinstance(lg, logging.Logger)}
+    claimed = dict(rundir._CLAIMED)
+    yield
+    GlobalHydra.instance().clear()
+    Singleton.set_state(hydra_state)
+    rundir._CLAIMED.clear()
+    rundir._CLAIMED.update(claimed)
+    for sig, handler in handlers.items():
+        if handler is not None:
+            signal.signal(sig, handler)
+    for name, lg in [("", logging.getLogger()), *logging.Logger.manager.loggerDict.items()]:
+        if not isinstance(lg, logging.Logger):
             continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        # fields: state ppid pgrp session ...
-        if int(fields[3]) == sid and fields[0] != "Z":
-            pids.append(int(entry.name))
-    return pids
-
-
-def kill_session(sid: int) -> list[int]:
-    left = session_pids(sid)
-    for pid in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return left
-
-
-@dataclass
-class CliResult:
-    returncode: int
-    stdout: str
-    stderr: str
-    leftovers: list[int]
-
-    @property
-    def output(self) -> str:
-        return self.stdout + self.stderr
-
-
-def start_cli(args: Sequence[str], cwd: Path, env: Optional[dict] = None,
-              module: str = "ddpexp") -> subprocess.Popen:
-    """Start ``python -m ddpexp ARGS`` in a new session (so the whole tree can be found)."""
-    full_env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    full_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
-    return subprocess.Popen(
-        [sys.executable, "-m", module, *args], cwd=cwd, env=full_env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )
-
-
-def finish(proc: subprocess.Popen, timeout: float) -> CliResult:
-    """Wait for ``proc``; on timeout kill its session. Reports processes it left behind."""
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_session(proc.pid)
-        out, err = proc.communicate()
-        pytest.fail(f"timed out after {timeout}s\nSTDOUT:\n{out}\nSTDERR:\n{err}")
-    deadline = time.time() + 10
-    while session_pids(proc.pid) and time.time() < deadline:
-        time.sleep(0.2)
-    return CliResult(proc.returncode, out, err, kill_session(proc.pid))
-
-
-def run_cli(args: Sequence[str], cwd: Path, timeout: float = 180, env: Optional[dict] = None,
-            expect_ok: bool = True, module: str = "ddpexp") -> CliResult:
-    """Run the CLI to completion; by default fail the test unless it exits 0."""
-    res = finish(start_cli(args, cwd, env, module), timeout)
-    assert not res.leftovers, f"processes left behind: {res.leftovers}"
-    if expect_ok:
-        assert res.returncode == 0, f"exit {res.returncode}\nSTDOUT:\n{res.stdout}\nSTDERR:\n{res.stderr}"
-    return res
-
-
-def run_dirs(root: Path) -> list[Path]:
-    """Run dirs (those with a .hydra/config.yaml) under ``root``, oldest first."""
-    return sorted(p.parent.parent for p in root.glob("**/.hydra/config.yaml")
-                  if p.parent.name == ".hydra")
-
-
-def only_run_dir(root: Path) -> Path:
-    dirs = run_dirs(root / "outputs")
-    assert len(dirs) == 1, dirs
-    return dirs[0]
-
-
-
-
-def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar in ``log_dir``'s event files, read with TensorBoard's own reader."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+        before, level, propagate = loggers.get(name, ([], logging.NOTSET, True))
+        for handler in lg.handlers[:]:
+            if handler not in before:
+                lg.removeHandler(handler)
+                handler.close()  # a worker's FileHandler holds the run's ddpexp.log open
+        lg.handlers[:] = before
+        lg.setLevel(level)
+        lg.propagate = propagate
 
 
 @pytest.fixture

@@ -22,7 +22,6 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 PACKAGES = ("slurm-wlm", "munge")
 BINARIES = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "scancel", "squeue", "sinfo")

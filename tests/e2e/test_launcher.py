@@ -1,0 +1,273 @@
+"""Sweeps end to end through the CLI: every job a real process (and real DDP workers)."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import os
+import re
+import signal
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers import finish, read_metrics, run_cli, start_cli
+
+pytestmark = pytest.mark.slow
+
+# Tiny runs: a few steps on a small synthetic dataset.
+TINY = ["data=synthetic", "data.num_samples=64", "data.val_samples=32", "data.shape=[1,8,8]",
+        "data.batch_size=16", "trainer.max_steps=2", "trainer.log_every_n_steps=1"]
+
+
+def sweep(workdir: Path, *overrides: str, expect_ok: bool = True, timeout: float = 300):
+    """Run ``python -m ddpexp -m`` into ``workdir/sweep``; returns (result, sweep dir)."""
+    sweep_dir = workdir / "sweep"
+    res = run_cli(["-m", *TINY, *overrides, f"hydra.sweep.dir={sweep_dir}"], workdir,
+                  timeout=timeout, expect_ok=expect_ok)
+    return res, sweep_dir
+
+
+def summary_rows(sweep_dir: Path) -> list[dict]:
+    with open(sweep_dir / "summary.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def job_dirs(sweep_dir: Path) -> list[Path]:
+    return sorted((p for p in sweep_dir.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+
+
+def test_2x2_sweep_of_ddp_runs(workdir: Path) -> None:
+    # Two jobs at a time (one core each on CI) keeps the test short.
+    res, sweep_dir = sweep(workdir, "optimizer.lr=0.01,0.1", "data.batch_size=8,16",
+                           "trainer.procs=2", "hydra.launcher.max_parallel=2")
+    dirs = job_dirs(sweep_dir)
+    assert [d.name for d in dirs] == ["0", "1", "2", "3"]
+    for d in dirs:
+        for name in (".hydra/config.yaml", ".hydra/overrides.yaml", "ddpexp.log",
+                     "checkpoints/last.pt", "checkpoints/best.pt"):
+            assert (d / name).is_file(), d / name
+        assert list((d / "tb").glob("events.out.tfevents.*")), d
+        metrics = read_metrics(d)
+        assert metrics["status"] == "completed" and metrics["world_size"] == 2
+    # The sweep never re-ran itself: no run dirs other than the 4 jobs.
+    assert not (workdir / "outputs").exists()
+
+    rows = summary_rows(sweep_dir)
+    assert len(rows) == 4
+    by_job = {r["job"]: r for r in rows}
+    for d in dirs:
+        metrics, row = read_metrics(d), by_job[d.name]
+        assert row["status"] == "completed"
+        assert float(row["best"]) == pytest.approx(metrics["best"]["val/acc"])
+        assert float(row["final"]) == pytest.approx(metrics["final"]["val/acc"])
+        assert int(row["steps"]) == 2
+        assert row["overrides"].split() == yaml.safe_load((d / ".hydra/overrides.yaml").read_text())
+    # Later overrides win, as in Hydra: each job got one of the 4 combinations.
+    chosen = {(dict(o.split("=", 1) for o in r["overrides"].split())["optimizer.lr"],
+               dict(o.split("=", 1) for o in r["overrides"].split())["data.batch_size"])
+              for r in rows}
+    assert chosen == set(itertools.product(("0.01", "0.1"), ("8", "16")))
+    bests = [float(r["best"]) for r in rows]
+    assert bests == sorted(bests, reverse=True)  # best job first
+    md = (sweep_dir / "summary.md").read_text()
+    assert md.startswith("| job | overrides | status | final val/acc | best val/acc |")
+    assert md.count("| completed |") == 4
+    assert "best val/acc" in res.stdout and res.stdout.count("completed  ") >= 4
+
+
+LOG_TIME = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]")
+
+
+def _log_span(log: Path) -> tuple[datetime, datetime]:
+    stamps = [datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f")
+              for m in map(LOG_TIME.match, log.read_text().splitlines()) if m]
+    return stamps[0], stamps[-1]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
+def test_max_parallel_runs_jobs_at_once_on_disjoint_cores(workdir: Path) -> None:
+    _, sweep_dir = sweep(workdir, "optimizer.lr=0.01,0.1", "trainer.max_steps=8",
+                         "hydra.launcher.max_parallel=2")
+    cores, spans = [], []
+    for d in job_dirs(sweep_dir):
+        assert read_metrics(d)["status"] == "completed"
+        log = (d / "ddpexp.log").read_text()
+        # Logged by the job process itself from os.sched_getaffinity.
+        found = re.search(r"job \d+: pid \d+, cores ([\d,]+), OMP_NUM_THREADS=(\d+)", log)
+        assert found, log
+        job_cores = {int(c) for c in found.group(1).split(",")}
+        assert int(found.group(2)) == len(job_cores)
+        cores.append(job_cores)
+        spans.append(_log_span(d / "ddpexp.log"))
+    assert len(cores) == 2 and not cores[0] & cores[1]
+    assert cores[0] | cores[1] <= set(os.sched_getaffinity(0))
+    (start0, end0), (start1, end1) = spans
+    assert start0 < end1 and start1 < end0, f"jobs did not overlap: {spans}"
+
+
+def test_failing_jobs_do_not_stop_the_others(workdir: Path) -> None:
+    # max_epochs=0 fails ddpexp's config check, momentum=-1 fails in torch: both in the job.
+    res, sweep_dir = sweep(workdir, "trainer.max_epochs=1,0", "optimizer.momentum=0.9,-1",
+                           "hydra.launcher.max_parallel=2", expect_ok=False)
+    assert res.returncode != 0
+    assert read_metrics(sweep_dir / "0")["status"] == "completed"
+    rows = {r["job"]: r for r in summary_rows(sweep_dir)}
+    assert [rows[j]["status"] for j in "0123"] == ["completed", "failed", "failed", "failed"]
+    assert "Invalid momentum value" in rows["1"]["error"]
+    assert "trainer.max_epochs=0 must be >= 1" in rows["2"]["error"]
+    assert "optimizer.momentum=-1" in rows["1"]["overrides"]
+    assert "3 of 4 job(s) failed" in res.output
+    listed = res.output.split("3 of 4 job(s) failed", 1)[1]
+    for job, overrides in (("#1 : ", "trainer.max_epochs=1 optimizer.momentum=-1"),
+                           ("#2 : ", "trainer.max_epochs=0 optimizer.momentum=0.9"),
+                           ("#3 : ", "trainer.max_epochs=0 optimizer.momentum=-1")):
+        line = next(ln for ln in listed.splitlines() if ln.strip().startswith(job))
+        assert line.endswith(overrides)
+    # The torch error's traceback is in the job's log, not on the terminal.
+    assert "Traceback" in (sweep_dir / "1" / "ddpexp.log").read_text()
+    assert "Traceback" not in res.stderr
+
+
+def test_fail_fast_stops_launching(workdir: Path) -> None:
+    res, sweep_dir = sweep(workdir, "trainer.max_epochs=0,1", "hydra.launcher.fail_fast=true",
+                           expect_ok=False)
+    assert res.returncode != 0
+    assert not (sweep_dir / "1").exists()
+    rows = {r["job"]: r for r in summary_rows(sweep_dir)}
+    # Never started: "not run", and not counted among the failures.
+    assert rows["1"]["status"] == "not run" and "fail_fast" in rows["1"]["error"]
+    assert "1 of 2 job(s) failed" in res.output and "1 of 2 job(s) not run" in res.output
+
+
+def test_submitit_local_sweep_fans_out_workers(workdir: Path) -> None:
+    _, sweep_dir = sweep(workdir, "hydra/launcher=submitit_local", "trainer.procs=1,2")
+    dirs = job_dirs(sweep_dir)
+    assert [d.name for d in dirs] == ["0", "1"]
+    assert [read_metrics(d)["world_size"] for d in dirs] == [1, 2]
+    assert all(read_metrics(d)["status"] == "completed" for d in dirs)
+    # The sweep's table, which submitit knows nothing of (ddpexp's SweepSummary callback).
+    rows = summary_rows(sweep_dir)
+    assert sorted(r["job"] for r in rows) == ["0", "1"] and {r["status"] for r in rows} == {"completed"}
+    assert (sweep_dir / "summary.md").exists()
+
+
+def _mtimes(job_dir: Path) -> dict[str, int]:
+    return {str(p.relative_to(job_dir)): p.stat().st_mtime_ns
+            for p in job_dir.rglob("*") if p.is_file()}
+
+
+def test_interrupted_sweep_resumes(workdir: Path) -> None:
+    sweep_dir = workdir / "sweep"
+    # Job 1 is long enough to be stopped mid-run; each epoch is 16 steps.
+    args = ["-m", *TINY, "data.num_samples=256", "trainer.max_epochs=100",
+            "trainer.max_steps=2,300,2", f"hydra.sweep.dir={sweep_dir}"]
+    proc = start_cli(args, workdir)
+    deadline = time.time() + 240
+    while not (sweep_dir / "1" / "checkpoints" / "last.pt").exists():
+        assert proc.poll() is None and time.time() < deadline, "job 1 never saved a checkpoint"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)  # Ctrl-C: the sweep stops its jobs with SIGTERM
+    res = finish(proc, timeout=120)
+    assert not res.leftovers
+    assert res.returncode != 0 and "resume=auto" in res.output
+    assert read_metrics(sweep_dir / "0")["status"] == "completed"
+    assert read_metrics(sweep_dir / "1")["status"] == "interrupted"
+    assert not (sweep_dir / "2").exists()
+    # The stopped job is called interrupted, by the signal it got, never failed.
+    assert "#1 ended (interrupted by SIGTERM)" in res.output
+    assert "1 of 3 job(s) interrupted" in res.output and "the sweep was stopped by SIGINT" in res.output
+    assert not re.search(r"fail", res.output.replace("HYDRA_FULL_ERROR", ""), re.I), res.output
+    rows = {r["job"]: r for r in summary_rows(sweep_dir)}
+    assert [rows[j]["status"] for j in "012"] == ["completed", "interrupted", "not run"]
+    # Wall time is the job's as the launcher saw it, start-up included; train time is less.
+    seen = float(re.search(r"#0 ended \(completed\) after ([\d.]+) s", res.output).group(1))
+    wall, train = float(rows["0"]["wall_time_s"]), float(rows["0"]["train_time_s"])
+    assert seen - 1.0 < wall <= seen + 0.05 and train < wall
+    before = _mtimes(sweep_dir / "0")
+
+    res = run_cli([*args, "resume=auto"], workdir, timeout=300)
+    assert _mtimes(sweep_dir / "0") == before  # the completed job was not touched
+    assert "completed before, not run again" in res.output
+    m1 = read_metrics(sweep_dir / "1")
+    assert m1["status"] == "completed" and m1["steps"] == 300
+    assert (sweep_dir / "1" / ".hydra" / "resume-1" / "config.yaml").is_file()
+    assert read_metrics(sweep_dir / "2")["status"] == "completed"
+    assert (f"resume=auto: no checkpoint in {sweep_dir}/2/checkpoints, starting from scratch"
+            in (sweep_dir / "2" / "ddpexp.log").read_text())
+    rows = summary_rows(sweep_dir)
+    assert [r["status"] for r in rows] == ["completed"] * 3
+    # Job 2 first ran in the resumed sweep, with its resume=auto: not one of its overrides.
+    rows = {r["job"]: r for r in rows}
+    assert "resume=auto" in (sweep_dir / "2" / ".hydra" / "overrides.yaml").read_text()
+    assert rows["2"]["overrides"] == rows["0"]["overrides"] and "resume" not in rows["2"]["overrides"]
+
+
+def test_a_job_killed_while_the_sweep_stops_is_interrupted(tmp_path: Path, caplog) -> None:
+    """A job process that dies of the launcher's SIGTERM before it could report (still
+    starting, say) was interrupted with the sweep: its row and the log say so."""
+    import subprocess
+    import sys
+
+    from ddpexp.sweep import pool
+    from ddpexp.sweep.summary import summarize
+    from hydra_plugins.ddpexp_launcher.ddp_launcher import DdpLauncher
+
+    launcher = DdpLauncher(kill_grace_s=30)
+    job = pool.Job(idx=1, overrides=["seed=1"], dir=tmp_path / "1",
+                    files=[str(tmp_path / "spec"), str(tmp_path / "result")])
+    job.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                process_group=0)
+    job.started = time.time()
+    stop = pool._StopSignals()
+    stop.signal_name = "SIGINT"  # what its handler records on Ctrl-C
+    with caplog.at_level("INFO", logger="hydra_plugins.ddpexp_launcher"):
+        pool._enforce_limits(launcher, job, stop)  # sends SIGTERM to the job's group
+        job.proc.wait(timeout=30)
+        pool._finish(job)
+        summarize(launcher, [job], tmp_path)
+    assert (job.outcome, job.interrupted_by) == ("interrupted", "SIGTERM")
+    assert "#1 ended (interrupted by SIGTERM)" in caplog.text
+    assert "1 of 1 job(s) interrupted" in caplog.text and "failed" not in caplog.text
+    (row,) = summary_rows(tmp_path)
+    assert row["status"] == "interrupted" and "killed by SIGTERM" in row["error"]
+    assert float(row["wall_time_s"]) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_gpu_jobs_get_their_own_devices(workdir: Path) -> None:
+    import torch
+
+    _, sweep_dir = sweep(workdir, "trainer.gpus=1", "optimizer.lr=0.01,0.1",
+                         "hydra.launcher.max_parallel=2")
+    seen, spans = [], []
+    for d in job_dirs(sweep_dir):
+        assert read_metrics(d)["status"] == "completed"
+        found = re.search(r"CUDA_VISIBLE_DEVICES=(\S+)", (d / "ddpexp.log").read_text())
+        assert found
+        seen.append(found.group(1))
+        spans.append(_log_span(d / "ddpexp.log"))
+    if torch.cuda.device_count() >= 2:
+        assert seen[0] != seen[1]
+    else:  # one GPU: the second job waited for it
+        assert seen[0] == seen[1]
+        (_, end0), (start1, _) = sorted(spans)
+        assert end0 <= start1
+
+
+def test_job_over_timeout_is_stopped_and_reported(workdir: Path) -> None:
+    # Job 0 ends after one epoch; job 1 would train for hours and must be stopped.
+    res, sweep_dir = sweep(workdir, "trainer.max_steps=null", "trainer.max_epochs=1,100000",
+                           "hydra.launcher.timeout_s=14", "hydra.launcher.kill_grace_s=10",
+                           expect_ok=False)
+    assert res.returncode != 0
+    assert "ran over hydra.launcher.timeout_s" in res.stderr
+    rows = {r["job"]: r for r in summary_rows(sweep_dir)}
+    assert rows["0"]["status"] == "completed"
+    assert rows["1"]["status"] != "completed"
+    # The stopped job still saved where it was, so it can be resumed.
+    assert (sweep_dir / "1" / "checkpoints" / "last.pt").is_file()

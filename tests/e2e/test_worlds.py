@@ -1,0 +1,151 @@
+"""Ranks that another launcher started form one run: torchrun (one node, two agents as two
+nodes with static and c10d rendezvous, restarts), the env:// variables of a Kubernetes
+PyTorchJob, and OpenMPI's mpirun. Real launchers, real gloo groups, free ports."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from helpers import finish, only_run_dir, read_metrics, run_dirs
+
+PLUGINS = str(Path(__file__).parents[1] / "plugins")
+TINY = ["data=synthetic", "data.shape=[6]", "data.num_classes=3", "data.num_samples=256",
+        "data.val_samples=101", "model=mlp", "model.hidden=[16]", "trainer.max_epochs=2",
+        "trainer.log_every_n_steps=1", "data.batch_size=32"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    from ddpexp.strategies.dist import free_port as pick
+
+    return pick()
+
+
+def start(cmd: list[str], cwd: Path, **env: str) -> subprocess.Popen:
+    """``cmd`` in a session of its own (so that everything it starts can be found), with the
+    test plugins importable and none of the launchers' variables of this process."""
+    full = {k: v for k, v in os.environ.items()
+            if not k.startswith(("TORCHELASTIC_", "SLURM_", "OMPI_", "PMI_", "PMIX_", "PET_"))
+            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                          "HYDRA_FULL_ERROR")}
+    full["PYTHONPATH"] = os.pathsep.join(filter(None, [PLUGINS, full.get("PYTHONPATH")]))
+    full.update(PYTHONUNBUFFERED="1", **env)
+    return subprocess.Popen(cmd, cwd=cwd, env=full, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def one_run(workdir: Path, world: int) -> dict:
+    """The one run dir under ``workdir``, completed by ``world`` workers."""
+    dirs = run_dirs(workdir / "outputs")
+    assert len(dirs) == 1, dirs
+    metrics = read_metrics(dirs[0])
+    assert metrics["status"] == "completed" and metrics["world_size"] == world, metrics
+    log = (dirs[0] / "ddpexp.log").read_text()
+    assert log.count("run dir: ") == 1
+    return metrics
+
+
+def test_torchrun_on_one_node_is_one_run(workdir):
+    res = finish(start([*TORCHRUN, "--nproc-per-node=2", "--master-addr=127.0.0.1",
+                        f"--master-port={free_port()}", "-m", "ddpexp", *TINY], workdir), 240)
+    assert res.returncode == 0, res.output
+    assert not res.leftovers
+    assert "2 worker(s) (torchrun workers): strategy=ddp" in res.output
+    one_run(workdir, 2)
+
+
+@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
+def test_two_torchrun_agents_as_two_nodes_are_one_run(workdir, rendezvous):
+    port = free_port()
+    if rendezvous == "static":
+        flags = ["--master-addr=127.0.0.1", f"--master-port={port}"]
+    else:
+        flags = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                 f"--rdzv-id={uuid.uuid4().hex[:8]}"]
+    agents = [start([*TORCHRUN, "--nnodes=2", "--nproc-per-node=1", f"--node-rank={n}", *flags,
+                     "-m", "ddpexp", *TINY], workdir) for n in range(2)]
+    results = [finish(a, 300) for a in agents]
+    for res in results:
+        assert res.returncode == 0, res.output
+        assert not res.leftovers
+    one_run(workdir, 2)
+
+
+def test_pytorchjob_variables_are_one_run(workdir):
+    port = str(free_port())
+    ranks = [start([sys.executable, "-m", "ddpexp", *TINY], workdir, WORLD_SIZE="2",
+                   RANK=str(r), MASTER_ADDR="127.0.0.1", MASTER_PORT=port) for r in range(2)]
+    results = [finish(p, 240) for p in ranks]
+    assert all(r.returncode == 0 for r in results), [r.output for r in results]
+    assert "2 worker(s) (env:// ranks)" in results[0].output
+    one_run(workdir, 2)
+
+
+@pytest.fixture(scope="session")
+def mpirun() -> str:
+    """OpenMPI's mpirun, installed with apt-get where it is missing (as root)."""
+    found = shutil.which("mpirun")
+    if found is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True, timeout=300)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "openmpi-bin"], env=env,
+                       capture_output=True, timeout=600)
+        found = shutil.which("mpirun")
+    if found is None:
+        pytest.skip("OpenMPI's mpirun is missing and could not be installed (needs root and apt-get)")
+    return found
+
+
+@pytest.mark.host
+def test_mpirun_is_one_run(workdir, mpirun):
+    res = finish(start([mpirun, "-np", "2", "--allow-run-as-root", "--oversubscribe",
+                        sys.executable, "-m", "ddpexp", *TINY], workdir), 240)
+    assert res.returncode == 0, res.output
+    assert not res.leftovers
+    assert "2 worker(s) (MPI ranks)" in res.output
+    one_run(workdir, 2)
+
+
+def test_a_raising_rank_under_torchrun_is_named_and_recorded(workdir):
+    started = time.time()
+    res = finish(start([*TORCHRUN, "--nproc-per-node=2", "--master-addr=127.0.0.1",
+                        f"--master-port={free_port()}", "-m", "ddpexp", *TINY,
+                        "model._target_=faulty.Faulty", "+model.mode=raise"], workdir), 240)
+    assert res.returncode != 0
+    assert not res.leftovers
+    assert "a worker failed, so the whole run was stopped:" in res.stderr, res.output
+    assert "rank 1 (pid" in res.stderr and "RuntimeError: injected failure on rank 1" in res.stderr
+    # ddpexp's ranks print no traceback of their own (torchrun's agent prints its report).
+    assert "File \"" not in res.stderr.split("a worker failed")[0]
+    run_dir = only_run_dir(workdir)
+    metrics = read_metrics(run_dir)
+    assert metrics["status"] == "failed" and "injected failure on rank 1" in metrics["error"]
+    assert time.time() - started < 180
+
+
+def test_torchrun_restart_resumes_the_same_run_dir(workdir):
+    # Rank 1 is SIGKILLed at its 5th forward (epoch 1, after epoch 0's checkpoint), in the
+    # first round only; the agent restarts both workers, which continue the same run.
+    res = finish(start([*TORCHRUN, "--nproc-per-node=2", "--max-restarts=1",
+                        "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+                        "-m", "ddpexp", *TINY, "trainer.max_epochs=3",
+                        "model._target_=faulty.Faulty", "+model.mode=kill", "+model.at_call=5",
+                        "+model.first_attempt_only=true"], workdir), 300)
+    assert res.returncode == 0, res.output
+    assert not res.leftovers
+    run_dir = only_run_dir(workdir)
+    metrics = read_metrics(run_dir)
+    assert metrics["status"] == "completed" and metrics["epochs"] == 3
+    log = (run_dir / "ddpexp.log").read_text()
+    assert "restart 1 of the worker group: resuming from" in log and "last.pt" in log
+    assert [h["epoch"] for h in metrics["history"]] == [0, 1, 2]

@@ -1,0 +1,23 @@
+"""Helpers shared by both layers of the suite (``from helpers import ...``):
+
+- ``cli``: the real CLI, in a subprocess of its own session (``run_cli``, ``start_cli``,
+  ``finish``) or, for one worker, in this process (``run_cli_in_process``, ``run_cli_here``),
+  and what a run wrote (``run_dirs``, ``read_metrics``, ``read_scalars``);
+- ``build``: the composed config and a one-process trainer built from it;
+- ``files``: datasets in their real file formats;
+- ``tensors``: checkpoints compared tensor by tensor.
+"""
+
+from helpers.build import build_trainer, compose_config
+from helpers.cli import (FAST, CliResult, finish, kill_session, one_worker, only_run_dir,
+                         read_metrics, read_scalars, run_cli, run_cli_here, run_cli_in_process,
+                         run_dirs, session_pids, start_cli)
+from helpers.files import write_cifar10, write_idx, write_imagefolder, write_mnist
+from helpers.tensors import assert_same_tensors
+
+__all__ = [
+    "FAST", "CliResult", "assert_same_tensors", "build_trainer", "compose_config", "finish",
+    "kill_session", "one_worker", "only_run_dir", "read_metrics", "read_scalars", "run_cli",
+    "run_cli_here", "run_cli_in_process", "run_dirs", "session_pids", "start_cli", "write_cifar10",
+    "write_idx", "write_imagefolder", "write_mnist",
+]

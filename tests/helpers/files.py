@@ -1,0 +1,66 @@
+"""Datasets written in their real file formats (MNIST's idx, CIFAR-10's pickled batches, an
+image folder), for the data sources to read."""
+
+from __future__ import annotations
+
+import gzip
+import pickle
+import struct
+from pathlib import Path
+
+import numpy as np
+
+
+def write_idx(path: Path, array: np.ndarray, gz: bool) -> None:
+    """An idx file as MNIST ships it: 0x0000, type 0x08 (uint8), ndim, big-endian dims, data."""
+    payload = struct.pack(">HBB", 0, 0x08, array.ndim)
+    payload += b"".join(struct.pack(">I", d) for d in array.shape) + array.astype(np.uint8).tobytes()
+    if gz:
+        path = path.with_name(path.name + ".gz")
+        path.write_bytes(gzip.compress(payload))
+    else:
+        path.write_bytes(payload)
+
+
+def write_mnist(root: Path, name: str = "MNIST", gz: bool = True, n_train: int = 24,
+                n_test: int = 8, size: tuple[int, int] = (28, 28)) -> Path:
+    raw = root / name / "raw"
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        write_idx(raw / f"{prefix}-images-idx3-ubyte", rng.integers(0, 256, (n, *size)), gz)
+        write_idx(raw / f"{prefix}-labels-idx1-ubyte", rng.integers(0, 10, n), gz)
+    return raw
+
+
+def write_cifar10(root: Path, per_batch: int = 4) -> Path:
+    """The python version's layout: pickled dicts of a (N, 3072) uint8 array and labels."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        entry = {
+            "batch_label": f"{name} of 5",
+            "labels": rng.integers(0, 10, per_batch).tolist(),
+            "data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+            "filenames": [f"img_{k}.png" for k in range(per_batch)],
+        }
+        (folder / name).write_bytes(pickle.dumps(entry, protocol=2))
+    meta = {"label_names": [f"class{k}" for k in range(10)], "num_cases_per_batch": per_batch}
+    (folder / "batches.meta").write_bytes(pickle.dumps(meta, protocol=2))
+    return folder
+
+
+def write_imagefolder(root: Path, classes=("cat", "dog", "eel"), per_class: int = 3,
+                      size: tuple[int, int] = (10, 7), splits=("train", "val")) -> Path:
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split in splits:
+        for c in classes:
+            d = root / split / c
+            d.mkdir(parents=True)
+            for k in range(per_class):
+                pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(d / f"{k}.png")
+    return root

@@ -1,0 +1,167 @@
+"""ddpexp.report on real run dirs written the way the trainer writes them."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ddpexp import report
+
+
+def fake_run(d: Path, overrides: list[str], metrics: dict | None) -> Path:
+    (d / ".hydra").mkdir(parents=True)
+    (d / ".hydra" / "config.yaml").write_text("{}\n")
+    (d / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    if metrics is not None:
+        (d / "metrics.json").write_text(json.dumps(metrics))
+    return d
+
+
+def metrics(best: float, final: float, mode: str = "max", monitor: str = "val/acc") -> dict:
+    return {"status": "completed", "epochs": 2, "steps": 10, "monitor": monitor,
+            "monitor_mode": mode, "final": {monitor: final}, "best": {monitor: best, "epoch": 1},
+            "wall_time_s": 1.5}
+
+
+def test_collect_sorts_best_first_and_keeps_runs_without_metrics(tmp_path: Path) -> None:
+    fake_run(tmp_path / "0", ["lr=0.1", "bs=8"], metrics(0.5, 0.4))
+    fake_run(tmp_path / "1", ["lr=0.2", "bs=8"], metrics(0.9, 0.8))
+    fake_run(tmp_path / "2", ["lr=0.3", "bs=8"], None)
+    fake_run(tmp_path / "10", ["lr=0.4", "bs=8"], metrics(0.7, 0.7))
+    rows = report.collect(tmp_path)
+    assert [r.job for r in rows] == ["1", "10", "0", "2"]
+    assert rows[-1].status == report.NO_METRICS and rows[-1].best is None
+    text = report.format_rows(rows, "text")
+    # The table shows what varies between runs; bs=8 is common to all.
+    assert "lr=0.2" in text and "bs=8" not in text and "best val/acc" in text
+    parsed = list(csv.DictReader(io.StringIO(report.format_rows(rows, "csv"))))
+    assert parsed[0]["overrides"] == "lr=0.2 bs=8" and float(parsed[0]["best"]) == 0.9
+    assert json.loads(report.format_rows(rows, "json"))[1]["job"] == "10"
+    md = report.format_rows(rows, "md").splitlines()
+    assert len(md) == 2 + 4 and md[2].startswith("| 1 | lr=0.2 | completed | 0.8000 | 0.9000 |")
+
+
+def test_a_resumed_job_shows_its_own_overrides_and_both_times(tmp_path: Path) -> None:
+    # A job first run by a resumed sweep has the resume=auto the sweep was given.
+    fake_run(tmp_path / "0", ["lr=0.1"], {**metrics(0.5, 0.4), "train_time_s": 0.3})
+    fake_run(tmp_path / "1", ["lr=0.2", "resume=auto"], metrics(0.6, 0.6))
+    rows = {r.job: r for r in report.collect(tmp_path)}
+    assert rows["0"].overrides == ["lr=0.1"] and rows["1"].overrides == ["lr=0.2"]
+    assert (rows["0"].wall_time_s, rows["0"].train_time_s) == (1.5, 0.3)
+    assert "resume" not in report.format_rows(list(rows.values()), "text")
+    assert report.own_overrides(["+resume=x", "seed=1", "~resume"]) == ["seed=1"]
+
+
+def test_min_mode_sorts_ascending(tmp_path: Path) -> None:
+    fake_run(tmp_path / "0", ["lr=1"], metrics(0.3, 0.3, "min", "val/loss"))
+    fake_run(tmp_path / "1", ["lr=2"], metrics(0.1, 0.2, "min", "val/loss"))
+    assert [r.job for r in report.collect(tmp_path)] == ["1", "0"]
+
+
+def test_format_rejects_unknown_format() -> None:
+    with pytest.raises(ValueError, match="not one of text, md, csv, json"):
+        report.format_rows([], "html")
+
+
+def test_cli_prints_the_table(tmp_path: Path, capsys) -> None:
+    fake_run(tmp_path / "sweep" / "0", ["lr=0.1"], metrics(0.5, 0.4))
+    assert report.main([str(tmp_path), "-f", "md"]) == 0
+    assert "| sweep/0 | lr=0.1 | completed | 0.4000 | 0.5000 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as bad:
+        report.main([str(tmp_path / "nope")])
+    assert bad.value.code != 0 and "is not a directory" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ test column and seeds
+def seeded_run(d: Path, overrides: list[str], seed: int, best: float, final: float,
+               test: float | None, curve: list[float] | None = None) -> Path:
+    """A run dir as the trainer leaves it: config with its seed, metrics.json with a "test"
+    entry, and (``curve``) TensorBoard val/acc points at steps 10, 20, ..."""
+    m = metrics(best, final)
+    if test is not None:
+        m["test"] = {"test/acc": test, "test/loss": 1.0 - test, "epoch": 1}
+    fake_run(d, [*overrides, f"seed={seed}"], m)
+    (d / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"seed": seed, "trainer": {}}))
+    if curve:
+        from torch.utils.tensorboard import SummaryWriter
+
+        with SummaryWriter(str(d / "tb")) as w:
+            for i, v in enumerate(curve):
+                w.add_scalar("val/acc", v, 10 * (i + 1))
+    return d
+
+
+def test_test_column_beside_best(tmp_path: Path) -> None:
+    seeded_run(tmp_path / "0", ["lr=0.1"], 0, best=0.9, final=0.8, test=0.85)
+    seeded_run(tmp_path / "1", ["lr=0.2"], 0, best=0.7, final=0.7, test=None)
+    rows = report.collect(tmp_path)
+    assert [(r.best, r.test) for r in rows] == [(0.9, 0.85), (0.7, None)]
+    text = report.format_rows(rows, "text").splitlines()
+    titles = text[0].split()
+    assert titles[titles.index("val/acc", titles.index("best")) + 1] == "test/acc"
+    assert re.search(r"0\.9000 +0\.8500 +0\.1500", text[1])  # best, test/acc, test/loss
+    parsed = list(csv.DictReader(io.StringIO(report.format_rows(rows, "csv"))))
+    assert float(parsed[0]["test"]) == 0.85 and float(parsed[0]["test/loss"]) == pytest.approx(0.15)
+    assert parsed[1]["test"] == "" and parsed[0]["seed"] == "0"
+
+
+def test_group_seeds_mean_and_std(tmp_path: Path) -> None:
+    # lr=0.1: best 0.5, 0.6, 0.7 (mean 0.6, sample std 0.1); lr=0.2: one seed failed.
+    for job, (lr, seed, best, test) in enumerate([
+        (0.1, 0, 0.5, 0.40), (0.1, 1, 0.6, 0.50), (0.1, 2, 0.7, 0.60),
+        (0.2, 0, 0.9, 0.80), (0.2, 1, 0.8, 0.70),
+    ]):
+        seeded_run(tmp_path / str(job), [f"lr={lr}", "bs=8"], seed, best, best - 0.1, test)
+    fake_run(tmp_path / "5", ["lr=0.2", "bs=8", "seed=2"], {"status": "failed", "error": "boom"})
+    groups = report.group_seeds(report.collect(tmp_path))
+    assert [(g.overrides, g.n, g.seeds) for g in groups] == [
+        (["lr=0.2", "bs=8"], 3, [0, 1, "?"]), (["lr=0.1", "bs=8"], 3, [0, 1, 2])]
+    low = groups[1]
+    for name, mean in (("best", 0.6), ("final", 0.5), ("test", 0.5), ("test/loss", 0.5)):
+        assert low.stats[name][0] == pytest.approx(mean) and low.stats[name][1] == pytest.approx(0.1)
+        assert low.stats[name][2] == 3
+    high = groups[0]
+    assert high.stats["best"] == (pytest.approx(0.85), pytest.approx(0.0707107, abs=1e-6), 2)
+    assert high.status == "completed 2, failed 1"
+    text = report.format_groups(groups, "text")
+    assert "0.8500 ± 0.0707 (2 of 3)" in text and "0.6000 ± 0.1000" in text
+    assert "bs=8" not in text and "seed=" not in text
+    rows = list(csv.DictReader(io.StringIO(report.format_groups(groups, "csv"))))
+    assert rows[1]["n"] == "3" and float(rows[1]["best_std"]) == pytest.approx(0.1)
+    assert rows[1]["seeds"] == "0 1 2" and rows[1]["jobs"] == "0 1 2"
+
+
+def test_summary_by_seed_only_where_seeds_vary(tmp_path: Path) -> None:
+    for job, lr in enumerate((0.1, 0.2)):
+        seeded_run(tmp_path / "a" / str(job), [f"lr={lr}"], 0, 0.5 + lr, 0.5, 0.5)
+    report.write_summary(tmp_path / "a", report.collect(tmp_path / "a"))
+    assert (tmp_path / "a" / "summary.md").is_file()
+    assert not (tmp_path / "a" / "summary_by_seed.md").exists()
+    for job, seed in enumerate((0, 1)):
+        seeded_run(tmp_path / "b" / str(job), ["lr=0.1"], seed, 0.5 + seed / 10, 0.5, 0.5)
+    report.write_summary(tmp_path / "b", report.collect(tmp_path / "b"))
+    md = (tmp_path / "b" / "summary_by_seed.md").read_text().splitlines()
+    assert md[0].startswith("| overrides | n | seeds | status | final val/acc | best val/acc | test/acc")
+    assert md[2].startswith("| lr=0.1 | 2 | 0 1 | completed 2 | 0.5000 ± 0.0000 | 0.5500 ± 0.0707 |")
+    assert (tmp_path / "b" / "summary_by_seed.csv").read_text().startswith("overrides,n,seeds")
+
+
+def test_cli_group_seeds_plots_mean_and_band(tmp_path: Path) -> None:
+    from ddpexp.plot import mean_curve
+
+    for job, (lr, seed, curve) in enumerate([
+        ("0.1", 0, [0.2, 0.4]), ("0.1", 1, [0.4, 0.6]), ("0.2", 0, [0.5, 0.9]), ("0.2", 1, [0.5, 0.7]),
+    ]):
+        seeded_run(tmp_path / str(job), [f"lr={lr}"], seed, max(curve), curve[-1], 0.5, curve)
+    assert mean_curve([tmp_path / "0", tmp_path / "1"], "val/acc") == [
+        (10, pytest.approx(0.3), pytest.approx(0.1414214, abs=1e-6), 2),
+        (20, pytest.approx(0.5), pytest.approx(0.1414214, abs=1e-6), 2)]
+    png = tmp_path / "curves.png"
+    assert report.main([str(tmp_path), "--group-seeds", "--plot", str(png)]) == 0
+    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
