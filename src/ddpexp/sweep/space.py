@@ -60,7 +60,9 @@ def distribution(override: Override) -> Any:
     if isinstance(value, RangeSweep):
         values: list[Any] = list(override.sweep_iterator(transformer=Transformer.identity))  # numbers
         if not values:
-            raise ConfigError(f"{key}={override.get_value_element_as_str()} holds no value "
+            # Hydra cannot turn a sweep back into its text: the range is written from its parts.
+            step = "" if value.step in (None, 1) else f", {value.step}"
+            raise ConfigError(f"{key}=range({value.start}, {value.stop}{step}) holds no value "
                               "(range's stop is excluded)")
         step = value.step if value.step is not None else 1
         if all(isinstance(v, int) for v in values) and isinstance(step, int):
