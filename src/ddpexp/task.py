@@ -214,6 +214,8 @@ class Classification(Task):
         self.num_classes, self.thresholds = num_classes, thresholds
 
     def split_metrics(self) -> dict[str, Any]:
+        if not self.metric_names:
+            return {}  # torchmetrics costs a second of import: only when a metric is asked
         from torchmetrics.classification import MulticlassAUROC, MulticlassF1Score
 
         classes = cast(int, self.num_classes)  # __init__ refuses metrics without it

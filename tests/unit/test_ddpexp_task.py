@@ -151,3 +151,14 @@ def test_update_metrics_feeds_outputs_and_target():
 
     tasks.Task().update_metrics({"m": Metric()}, "out", (torch.zeros(2), torch.tensor([3, 4])))
     assert seen == [("out", [3, 4])]
+
+
+def test_no_split_metric_imports_no_torchmetrics(monkeypatch):
+    """torchmetrics costs every worker about a second of import: a task that asks for no
+    split metric must not import it (a None in sys.modules makes any import of it raise)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torchmetrics.classification", None)
+    assert tasks.Classification().split_metrics() == {}
+    with pytest.raises(ImportError):
+        tasks.Classification(metrics=["f1"], num_classes=3).split_metrics()
