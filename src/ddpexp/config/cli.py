@@ -1,12 +1,15 @@
 """The command line before Hydra reads it: trainer-key typos, a run dir that already holds
-a run, ``resume=`` paths, and overrides quoted back for a printed command."""
+a run, ``resume=`` paths, and overrides quoted back for a printed command (the command that
+continues a run, :func:`resume_command`)."""
 
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 import shlex
+import sys
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -81,6 +84,59 @@ def command_line_override(key: str, value: Any) -> str:
     escaped = re.sub(r'(\\*)("|$)', lambda m: m.group(1) * 2 + ("\\" + m.group(2) if m.group(2) else ""),
                      text)
     return shlex.quote(f'{key}="{escaped}"')
+
+
+# Hydra's flags that take the next word as their value (``--config-dir my_conf``).
+_VALUE_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn",
+                "--cfg", "-c", "--package", "-p", "--experimental-rerun")
+# Where a sweep's job processes find the sweep's command line (a JSON list of its words):
+# their own is the job runner's.
+SWEEP_COMMAND_ENV = "DDPEXP_SWEEP_COMMAND"
+
+
+def resume_command(args: Sequence[str], run_dir: Optional[Path | str] = None,
+                   sweep_dir: Optional[Path | str] = None, prefix: str = "python -m ddpexp") -> str:
+    """The command that continues the run (or, with ``sweep_dir``, the sweep) that the
+    command line ``args`` started, as one line a shell runs as it is: every flag
+    (``--config-dir``, ``-cp``, ``-cn``, ``-m``) and override (``+``/``~`` ones included)
+    of ``args`` kept, its ``resume=`` and run dir (``hydra.run.dir``, or ``hydra.sweep.dir``
+    for a sweep) replaced by ``resume=<run_dir>`` (``resume=auto
+    hydra.sweep.dir=<sweep_dir>``), each word quoted for the shell."""
+    replaced = ("resume", "hydra.sweep.dir" if sweep_dir is not None else "hydra.run.dir")
+    flags, overrides, value_of_flag = [], [], False
+    for arg in args:
+        if value_of_flag or arg.startswith("-"):
+            flags.append(arg)
+        elif arg.split("=", 1)[0].lstrip("+~") not in replaced:
+            overrides.append(arg)
+        value_of_flag = arg in _VALUE_FLAGS
+    if sweep_dir is not None:
+        resume = ["resume=auto", command_line_override("hydra.sweep.dir", sweep_dir)]
+    else:
+        resume = [command_line_override("resume", run_dir)]
+    # Flags first: Hydra's argument parser takes no flag after the first override.
+    return " ".join([prefix, *map(shlex.quote, flags), *resume, *map(shlex.quote, overrides)])
+
+
+def sweep_command() -> Optional[list[str]]:
+    """The command line of the sweep this process runs (a job of): the one a sweep process
+    hands its job processes (:data:`SWEEP_COMMAND_ENV`), or this process's own where it is
+    the sweep's; None where neither is known (a job of another launcher, e.g. submitit)."""
+    handed = os.environ.get(SWEEP_COMMAND_ENV)
+    if handed:
+        return json.loads(handed)
+    own = sys.argv[1:]
+    return own if any(a in ("-m", "--multirun") for a in own) else None
+
+
+def continue_sweep(sweep_dir: Path | str) -> str:
+    """How to continue the sweep in ``sweep_dir``: its whole command where it is known
+    (:func:`sweep_command`), else what to add to it."""
+    args = sweep_command()
+    if args is None:
+        return ("run the sweep's command again with: resume=auto "
+                + command_line_override("hydra.sweep.dir", sweep_dir))
+    return "run:\n  " + resume_command(args, sweep_dir=sweep_dir)
 
 
 def preflight(args: list[str]) -> Optional[str]:
