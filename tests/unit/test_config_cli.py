@@ -147,3 +147,20 @@ def test_the_command_that_continues_a_sweep(monkeypatch):
     assert cli.continue_sweep("/s") == "run the sweep's command again with: resume=auto hydra.sweep.dir=/s"
     monkeypatch.setenv(cli.SWEEP_COMMAND_ENV, '["-m", "seed=1,2"]')
     assert cli.continue_sweep("/s") == "run:\n  python -m ddpexp -m resume=auto hydra.sweep.dir=/s seed=1,2"
+
+
+def test_entry_typos_name_the_entries_of_the_composed_config(tmp_path):
+    (tmp_path / "callbacks").mkdir()
+    (tmp_path / "callbacks" / "mine.yaml").write_text(
+        "defaults:\n  - default\nweight_norms:\n  _target_: m.Norms\n  every: 2\n")
+    conf = ["--config-dir", str(tmp_path), "callbacks=mine"]
+    text = cli.unknown_entry_keys([*conf, "callbacks.weight_norm.every=3"])
+    assert text.startswith("unknown entry callbacks.weight_norm: did you mean callbacks.weight_norms?")
+    assert "weight_norms" in text.splitlines()[1]
+    assert cli.unknown_entry_keys([*conf, "callbacks.weight_norms.evry=3"]).startswith(
+        "unknown key callbacks.weight_norms.evry: did you mean callbacks.weight_norms.every?")
+    # Keys that are there, additions, sweeps of other keys and another primary config pass.
+    assert cli.unknown_entry_keys([*conf, "callbacks.weight_norms.every=3", "+callbacks.x._target_=a.B",
+                                   "~callbacks.ema", "seed=1,2"]) is None
+    assert cli.unknown_entry_keys(["-cn", "other", "callbacks.nope.x=1"]) is None
+    assert cli.unknown_entry_keys(["model=mlp"]) is None  # nothing composed
