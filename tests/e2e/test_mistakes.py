@@ -238,3 +238,18 @@ def test_unused_parameters_name_the_key_that_allows_them(tmp_path, monkeypatch, 
     assert code == 0, text
     (run_dir,) = run_dirs(tmp_path / "b")
     assert json.loads((run_dir / "metrics.json").read_text())["status"] == "completed"
+
+
+def test_an_error_of_the_one_worker_in_this_process_is_said_as_under_ddp(tmp_path, monkeypatch, capsys):
+    """What torch elastic's agent reports of a failed worker, the in-process path says too:
+    one message naming the rank and the cause, the traceback in the log, a failed record."""
+    monkeypatch.syspath_prepend(PLUGINS)
+    code, text = run_cli_here(["model=mlp", "model._target_=faulty.Faulty", "+model.rank=0",
+                               "trainer.max_epochs=1"], tmp_path, monkeypatch, capsys)
+    assert code != 0 and "Traceback" not in text and "Error executing job" not in text
+    assert "a worker failed, so the whole run was stopped:\n  rank 0 (pid " in text
+    assert "raised RuntimeError: injected failure on rank 0" in text
+    (run_dir,) = run_dirs(tmp_path)
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["status"] == "failed" and "injected failure on rank 0" in metrics["error"]
+    assert "Traceback" in (run_dir / "ddpexp.log").read_text()

@@ -18,14 +18,17 @@ connection to the failed one are not counted as causes.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import logging
+import os
 import re
 import functools
 import shutil
 import signal
 import threading
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Optional
+from typing import Any, Callable, Iterator, NoReturn, Optional
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -83,7 +86,8 @@ def guard_run(task: Callable[[Any], Any]) -> Callable[[Any], Any]:
         last_before = _stamp(last)
         started = run_started()
         try:
-            return task(cfg)
+            with quiet_logging_errors():
+                return task(cfg)
         except KeyboardInterrupt:
             exc: BaseException = RunInterrupted(
                 "stopped by a second SIGINT before a checkpoint was saved; the last one (if "
@@ -106,6 +110,19 @@ def guard_run(task: Callable[[Any], Any]) -> Callable[[Any], Any]:
             _report(exc, hydra_cfg)
 
     return guarded
+
+
+@contextlib.contextmanager
+def quiet_logging_errors() -> Iterator[None]:
+    """A log file that cannot take a line (a full disk) loses it quietly, instead of
+    printing "--- Logging error ---" and a traceback on the terminal for every line: what
+    failed is reported once, by the run's message."""
+    before = logging.raiseExceptions
+    logging.raiseExceptions = False
+    try:
+        yield
+    finally:
+        logging.raiseExceptions = before
 
 
 def _report(exc: BaseException, hydra_cfg: Any) -> NoReturn:
@@ -233,6 +250,14 @@ def describe_elastic_failure(exc: Any, oom_kills_before: Optional[int] = None,
             "e.g. stuck in data loading or a deadlock, or skipped a collective)"
         )
     return text
+
+
+def describe_own_failure(exc: BaseException) -> str:
+    """The message of a run whose one worker, this process, raised ``exc``: as
+    :func:`describe_elastic_failure` words a worker the agent saw fail (its traceback is in
+    the run's log)."""
+    cause, _ = rank_error(exc)
+    return f"a worker failed, so the whole run was stopped:\n  rank 0 (pid {os.getpid()}) {cause}"
 
 
 def _logged_failures(log_file: Optional[str]) -> dict[int, tuple[str, str]]:

@@ -31,7 +31,7 @@ from ddpexp.config.cli import continue_sweep, env_flag, resume_command
 from ddpexp.config.schema import to_plain
 from ddpexp.config.validate import validate
 from ddpexp.errors import ConfigError, DdpexpError, RunDiverged, RunFailed, RunInterrupted
-from ddpexp.launch.failures import describe_elastic_failure, guard_run
+from ddpexp.launch.failures import describe_elastic_failure, describe_own_failure, guard_run
 from ddpexp.config.monitor import fill_monitor
 from ddpexp.record import record_failure, record_wall_time, run_started
 from ddpexp.launch.resources import check_resources, oom_kills
@@ -252,7 +252,12 @@ def dispatch(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
     if plan.world_size == 1 and cfg.trainer.max_restarts == 0:
         payload.in_process = True
         # No elastic agent: this process is the worker, so it takes SIGTERM/SIGINT itself.
-        return run_worker.__wrapped__(payload)
+        try:
+            return run_worker.__wrapped__(payload)
+        except DdpexpError:
+            raise
+        except Exception as exc:  # what the agent reports of a failed worker, said the same way
+            raise RunFailed(describe_own_failure(exc)) from exc
     return _elastic(plan, cfg, payload)
 
 

@@ -284,6 +284,10 @@ class Trainer:
         that ``metrics.json`` holds."""
         if resume_from is not None:
             self._load(resume_from)
+            if self.ctx.is_main:
+                # This attempt's record from here on: one that fails now is not taken for
+                # the earlier attempt's (completed) run.
+                write_metrics(self.run_dir, self._result())
         self._open_loggers()
         try:
             with strategies.debug_modes(self.t), contextlib.closing(self.beat):
