@@ -63,3 +63,18 @@ def test_a_state_no_checkpoint_can_hold_is_refused_at_the_first_save(tmp_path, m
     assert not (tmp_path / "checkpoints" / "last.pt").exists()
     with pytest.raises(FileNotFoundError):
         read_metrics(tmp_path)
+
+
+def test_metrics_logged_before_the_optimizer_step_land_at_that_step(tmp_path, monkeypatch):
+    import csv
+
+    monkeypatch.syspath_prepend(PLUGINS)
+    trainer = build_trainer(tmp_path, [*TINY, "trainer.max_epochs=1", "trainer.log_every_n_steps=1",
+                                       "logger=csv", "+callbacks.grads._target_=userstate.GradLogger"])
+    trainer.fit()
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    steps = {name: [int(r["step"]) for r in rows if r["name"] == name]
+             for name in ("probe/steps_done", "train/loss", "train/grad_norm")}
+    assert steps["probe/steps_done"] == steps["train/loss"] == steps["train/grad_norm"] == [1, 2, 3, 4]
+    values = [float(r["value"]) for r in rows if r["name"] == "probe/steps_done"]
+    assert values == [0, 1, 2, 3]  # trainer.step still counts the steps done before

@@ -56,3 +56,10 @@ class SigtermAt(Callback):
     def on_train_batch_end(self, trainer) -> None:
         if not trainer.resumed and trainer.step == self.step and trainer.is_main:
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+class GradLogger(Callback):
+    """Logs a value about each optimizer step's gradients, before the step."""
+
+    def on_before_optimizer_step(self, trainer) -> None:
+        trainer.log_metrics({"probe/steps_done": float(trainer.step)})

@@ -34,7 +34,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from ddpexp.config.rundir import claimed_dirs
+from ddpexp.config.rundir import claimed_dirs, drop_unused_claims
 from ddpexp import errors
 from ddpexp.errors import ConfigError, DdpexpError, RunInterrupted
 from ddpexp.launch.resources import oom_kills
@@ -81,6 +81,8 @@ def guard_run(task: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def guarded(cfg: Any) -> Any:
         hydra_cfg = HydraConfig.get()
         run_dir = Path(hydra_cfg.runtime.output_dir)
+        if hydra_cfg.mode == RunMode.RUN:
+            drop_unused_claims(run_dir)
         config_dir = _newest_config_dir(run_dir)
         last = run_dir / "checkpoints" / "last.pt"
         last_before = _stamp(last)

@@ -42,6 +42,7 @@ from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrid
 from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from ddpexp.config.rundir import drop_unused_claims
 from ddpexp.config.cli import SWEEP_COMMAND_ENV, continue_sweep, sweep_command
 from ddpexp.errors import RunInterrupted
 from ddpexp.sweep.summary import job_error, summarize
@@ -212,6 +213,7 @@ def begin(launcher: Any) -> Path:
     configure_log(config.hydra.hydra_logging, config.hydra.verbose)
     sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
     sweep_dir.mkdir(parents=True, exist_ok=True)
+    drop_unused_claims(sweep_dir)
     return sweep_dir
 
 
