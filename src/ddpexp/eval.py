@@ -3,7 +3,9 @@
 PATH is a run dir (its ``checkpoints/best.pt``), a checkpoint file, or a sweep dir (every
 job's ``best.pt``, one row each). Task, model and data are rebuilt from the resolved config
 stored in the checkpoint, with the overrides on top (``data.root=...``, ``trainer.procs=2``,
-``split=val``; ``split=test`` by default). Evaluation is the trainer's own sharded
+``split=val``; ``split=test`` by default). The whole split is evaluated, whatever the training
+run's ``trainer.limit_val_batches`` (``trainer.limit_val_batches=N`` here limits it), and the
+table says how many samples were. Evaluation is the trainer's own sharded
 :meth:`~ddpexp.training.trainer.Trainer.evaluate_checkpoint`, run through the same fan-out as a
 training run (:func:`ddpexp.launch.fanout.dispatch`), so each sample counts exactly once whatever
 the number of workers and the numbers match the ``test/<name>`` the run recorded. Each
@@ -84,6 +86,10 @@ def apply_overrides(config: dict, overrides: Sequence[str]) -> tuple[dict, str]:
         trainer["procs"] = None
     if "trainer.max_restarts" not in given:
         trainer["max_restarts"] = 0
+    # The training run's cut of its validation (debug=fast's 2 batches per worker) is not
+    # what an evaluation asks for: the whole split, unless this command says otherwise.
+    if "trainer.limit_val_batches" not in given:
+        trainer["limit_val_batches"] = None
     return plain, split
 
 
@@ -121,6 +127,8 @@ def evaluate(run_dir: Path, checkpoint: Path, overrides: Sequence[str] = ()) -> 
         "epoch": result["epoch"],
         "samples": result["samples"],
         "world_size": plan.world_size,
+        # None: the whole split (see apply_overrides)
+        "limit_val_batches": config["trainer"].get("limit_val_batches"),
         "overrides": list(overrides),
         "metrics": result["metrics"],
     }
@@ -136,6 +144,15 @@ def _write_record(run_dir: Path, record: dict) -> Path:
         path, n = run_dir / f"eval-{stamp}-{n}.json", n + 1
     path.write_text(json.dumps(record, indent=2) + "\n")
     return path
+
+
+def what_was_evaluated(record: dict) -> str:
+    """One line of an evaluation's record: which checkpoint, on what part of which split."""
+    limit = record.get("limit_val_batches")
+    part = ("the whole split" if limit is None else
+            f"its first {limit} batch(es) per worker (trainer.limit_val_batches={limit})")
+    return (f"{record['checkpoint']} (epoch {record['epoch']}) on the {record['split']} split: "
+            f"{part}, {record['samples']} samples, {record['world_size']} worker(s)")
 
 
 def format_table(rows: Sequence[tuple[str, Optional[dict], Optional[str]]]) -> str:
@@ -189,6 +206,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 return 1
             rows.append((name, None, str(exc).splitlines()[0]))
     sys.stdout.write(format_table(rows))
+    for name, record, _ in rows:
+        if record is not None:
+            print(f"{name}: {what_was_evaluated(record)}")
     failed = [name for name, record, _ in rows if record is None]
     if failed:
         print(f"error: {len(failed)} of {len(rows)} checkpoints could not be evaluated: "

@@ -15,9 +15,11 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from ddpexp.config.lists import as_list
+
 
 def _shape(input_shape: Sequence[int]) -> tuple[int, ...]:
-    shape = tuple(int(s) for s in input_shape)
+    shape = tuple(int(s) for s in as_list(input_shape))
     if not shape or any(s < 1 for s in shape):
         raise ValueError(f"input_shape must be positive sizes, got {list(input_shape)}")
     return shape
@@ -78,7 +80,7 @@ class MLP(nn.Module):
         super().__init__()
         width = math.prod(_shape(input_shape))
         layers: list[nn.Module] = [nn.Flatten()]
-        for h in hidden:
+        for h in as_list(hidden):  # model.hidden=64 is one layer of 64
             layers += [nn.Linear(width, h), nn.ReLU(inplace=True), nn.Dropout(dropout)]
             width = h
         layers.append(nn.Linear(width, num_classes))

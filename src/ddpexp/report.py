@@ -138,7 +138,23 @@ def collect(root: Path) -> list[Row]:
     root = Path(root)
     rows = [read_run(d, job=str(d.relative_to(root)) if d != root else d.name)
             for d in run_dirs(root)]
+    _fill_from_summary(root, rows)
     return sort_rows(rows)
+
+
+def _fill_from_summary(root: Path, rows: Sequence[Row]) -> None:
+    """Give the rows without a record (a sweep job refused before it trained writes none)
+    the status and error that the sweep's ``summary.csv`` in ``root`` recorded for them,
+    from what the job's process reported."""
+    missing = {r.job: r for r in rows if r.status == NO_METRICS}
+    try:
+        text = (root / "summary.csv").read_text() if missing else ""
+    except OSError:
+        return
+    for saved in csv.DictReader(io.StringIO(text)):
+        row = missing.get(saved.get("job") or "")
+        if row is not None and saved.get("status") not in (None, "", NO_METRICS):
+            row.status, row.error = saved["status"], saved.get("error") or row.error
 
 
 def sort_rows(rows: Iterable[Row]) -> list[Row]:

@@ -60,6 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ddpexp.config.lists import as_list
 from ddpexp.errors import ConfigError
 
 
@@ -197,6 +198,7 @@ class Classification(Task):
 
     def __init__(self, metrics: Sequence[str] = (), num_classes: Optional[int] = None,
                  thresholds: Optional[int] = None):
+        metrics = as_list(metrics)  # task.metrics=f1 is [f1]
         unknown = [m for m in metrics if m not in CLASSIFICATION_METRICS]
         if unknown:
             raise ConfigError(

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import finish, read_metrics, run_cli, session_pids, start_cli
+from ddpexp.config.cli import command_line_override
+from helpers import (finish, read_metrics, run_cli, run_cli_in_process, run_printed, session_pids,
+                     start_cli)
 from test_checkpoint_resume import assert_same_final_state, assert_tensorboard_continues, new_run
 
 # No schedule (so the run's length does not shape the lr) and a huge max_epochs: the signal
@@ -61,7 +63,7 @@ def check_interrupted(run_dir: Path, res, took: float, name: str) -> dict:
     assert took < 60, took
     assert res.returncode != 0
     assert "Traceback" not in res.output, res.output
-    assert f"python -m ddpexp resume={run_dir}" in res.stderr, res.stderr
+    assert f"{command_line_override('resume', run_dir)} " in res.stderr, res.stderr
     assert f"{name}: stopped at epoch" in res.output
     metrics = read_metrics(run_dir)
     assert metrics["status"] == "interrupted"
@@ -91,11 +93,33 @@ def test_sigterm_two_workers(workdir):
     check_resume_matches(workdir, run_dir, args, ckpt)
 
 
+PLUGINS = str(Path(__file__).parents[1] / "plugins")
+
+
 @pytest.mark.slow
-def test_sigterm_single_process(workdir):
-    run_dir, res, took = interrupt(workdir, LONG, signal.SIGTERM)
-    ckpt = check_interrupted(run_dir, res, took, "SIGTERM")
-    check_resume_matches(workdir, run_dir, LONG, ckpt)
+def test_the_printed_command_continues_a_config_dir_run_to_the_end(workdir):
+    """One process, a callback of the user's config dir, a run dir with a space in it, ``~``
+    and ``+`` overrides: SIGTERM (sent by the callback at step 5) stops it with a checkpoint,
+    and the command it prints, run as it is by a shell, continues it to the same end as an
+    uninterrupted run."""
+    conf = workdir / "my conf" / "callbacks"
+    conf.mkdir(parents=True)
+    (conf / "mine.yaml").write_text("defaults:\n  - default\nstop:\n  _target_: userstate.SigtermAt\n")
+    env = {"PYTHONPATH": os.pathsep.join([PLUGINS, os.environ.get("PYTHONPATH", "")])}
+    length = ["trainer.max_epochs=2", "~callbacks.lr_monitor"]
+    args = ["--config-dir", str(workdir / "my conf"), "callbacks=mine", "+callbacks.stop.step=5",
+            *LONG, *length, "hydra.run.dir=outputs/my\\ run"]
+    res = finish(start_cli(args, workdir, env), 120)
+    run_dir = workdir / "outputs" / "my run"
+    ckpt = check_interrupted(run_dir, res, 0, "SIGTERM")
+    assert ckpt["step"] == 5
+    printed = res.stderr.split("Continue it with:\n", 1)[1].splitlines()[0].strip()
+    assert "--config-dir" in printed and "+callbacks.stop.step=5" in printed, printed
+    res = run_printed(printed, workdir, 120, env)
+    assert f"resumed from {run_dir}/checkpoints/last.pt at epoch 0, batch 5, step 5" in res.output
+    reference = workdir / "outputs" / "reference"
+    run_cli_in_process([*LONG, *length, f"hydra.run.dir={reference}"], workdir)
+    assert_same_final_state(run_dir, reference)
 
 
 @pytest.mark.slow

@@ -186,3 +186,20 @@ def test_seed_sweep_is_grouped_and_every_job_evaluated(workdir: Path):
         (rec,) = records(sweep / str(job))
         assert rec["metrics"]["test/acc"] == pytest.approx(
             read_metrics(sweep / str(job))["test"]["test/acc"], rel=1e-12)
+
+
+def test_eval_takes_the_whole_split_whatever_the_training_run_limited(tmp_path: Path):
+    run = tmp_path / "run"
+    build_trainer(run, [*SYN, "data.test_samples=40", "trainer.max_epochs=1",
+                        "trainer.limit_val_batches=2"]).fit()
+    assert read_metrics(run)["test"]  # the run's own test, cut to 2 batches of 8
+    code, out, err = eval_main(str(run))
+    assert code == 0, err
+    (whole,) = records(run)
+    assert whole["samples"] == 40 and whole["limit_val_batches"] is None
+    assert f"run: {run / 'checkpoints' / 'best.pt'} (epoch 0) on the test split: the whole split, " \
+           "40 samples, 1 worker(s)" in out
+    code, out, err = eval_main(str(run), "trainer.limit_val_batches=2")
+    assert code == 0, err
+    assert records(run)[-1]["samples"] == 16
+    assert "its first 2 batch(es) per worker (trainer.limit_val_batches=2), 16 samples" in out

@@ -176,3 +176,16 @@ def test_bad_values_of_the_new_keys_are_named(override, message):
 
     with pytest.raises(ConfigError, match=message):
         validate(OmegaConf.create(compose_config(override)))
+
+
+def test_a_debug_run_leaves_only_its_own_dir(tmp_path, monkeypatch, capsys):
+    """debug=* moves runs to outputs/debug/; the default outputs/<date>/<time> that composing
+    that override resolved once is not left behind, empty."""
+    from helpers import run_cli_here
+
+    code, text = run_cli_here(["debug=fast", "model=mlp", "trainer.test=false"], tmp_path,
+                              monkeypatch, capsys)
+    assert code == 0, text
+    (date,) = (tmp_path / "outputs" / "debug").iterdir()
+    assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["debug"]
+    assert len(list(date.iterdir())) == 1

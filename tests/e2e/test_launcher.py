@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import finish, read_metrics, run_cli, start_cli
+from helpers import finish, read_metrics, run_cli, run_printed, start_cli
 
 pytestmark = pytest.mark.slow
 
@@ -189,7 +189,10 @@ def test_interrupted_sweep_resumes(workdir: Path) -> None:
     assert seen - 1.0 < wall <= seen + 0.05 and train < wall
     before = _mtimes(sweep_dir / "0")
 
-    res = run_cli([*args, "resume=auto"], workdir, timeout=300)
+    # The command it printed, run as it is, finishes the sweep.
+    printed = res.output.split("To finish it, run:\n", 1)[1].splitlines()[0].strip()
+    assert res.output.count(printed) == 2  # the stopped job's own message says the same
+    res = run_printed(printed, workdir, timeout=300)
     assert _mtimes(sweep_dir / "0") == before  # the completed job was not touched
     assert "completed before, not run again" in res.output
     m1 = read_metrics(sweep_dir / "1")

@@ -70,9 +70,49 @@ def test_each_data_or_model_mistake_gets_one_message(tmp_path, monkeypatch, caps
     assert code != 0
     assert message in text
     assert "Traceback" not in text and "epoch 0" not in text  # before the first step
-    (run_dir,) = run_dirs(tmp_path)
-    metrics = json.loads((run_dir / "metrics.json").read_text())
-    assert metrics["status"] == "failed" and message in metrics["error"]
+    assert "Error executing job" not in text
+    assert run_dirs(tmp_path) == []  # found before the first step: no run dir left
+
+
+# Mistakes found after Hydra has composed the config (by the task, a callback, a logger),
+# and typos of entries Hydra would "fix" by adding a bogus one.
+LATE_MISTAKES = [
+    (["task.metrics=[nonsense]"], "task.metrics: nonsense is not a metric of task=classification"),
+    (["callbacks.early_stopping.patience=0", "trainer.max_epochs=1"], "callbacks.early_stopping"),
+    (["callbacks.early_stoping.patience=3"],
+     "unknown entry callbacks.early_stoping: did you mean callbacks.early_stopping?\n(callbacks: "),
+    (["callbacks.early_stopping.patiense=3"],
+     "unknown key callbacks.early_stopping.patiense: did you mean callbacks.early_stopping.patience?"),
+    (["~callbacks.emma"], "unknown entry callbacks.emma: did you mean callbacks.ema?"),
+    (["logger.tensorbord.flush_secs=5"], "unknown entry logger.tensorbord: did you mean logger.tensorboard?"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", LATE_MISTAKES, ids=[" ".join(m[0]) for m in LATE_MISTAKES])
+def test_a_mistake_found_before_the_first_step_is_only_ddpexps_message(tmp_path, monkeypatch, capsys,
+                                                                       overrides, message):
+    """Also with a fixed hydra.run.dir: the same command, corrected, then runs there (not
+    refused as a dir that holds a run)."""
+    args = ["model=mlp", "trainer.max_epochs=1", "hydra.run.dir=outputs/fixed"]
+    code, text = run_cli_here([*args, *overrides], tmp_path, monkeypatch, capsys)
+    assert code != 0 and message in text, text
+    assert "Error executing job" not in text and "Traceback" not in text
+    assert "+callbacks.early_stoping" not in text and "not in struct" not in text
+    assert not (tmp_path / "outputs" / "fixed").exists() and run_dirs(tmp_path) == []
+    if message.startswith("unknown"):
+        return  # refused before Hydra made a run dir
+    code, text = run_cli_here([*args, "trainer.max_steps=2", "trainer.test=false"], tmp_path,
+                              monkeypatch, capsys)
+    assert code == 0, text
+
+
+def test_a_sweep_jobs_mistake_stays_in_its_dir_and_row(tmp_path, monkeypatch, capsys):
+    code, text = run_cli_here(["-m", "hydra/launcher=basic", "model=mlp", "task.metrics=[nonsense]",
+                               "hydra.sweep.dir=sweep"], tmp_path, monkeypatch, capsys)
+    assert code != 0 and "nonsense is not a metric" in text
+    metrics = json.loads((tmp_path / "sweep" / "0" / "metrics.json").read_text())
+    assert metrics["status"] == "failed" and "nonsense is not a metric" in metrics["error"]
+    assert "nonsense is not a metric" in (tmp_path / "sweep" / "summary.csv").read_text()
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="permissions do not stop root")
@@ -198,3 +238,18 @@ def test_unused_parameters_name_the_key_that_allows_them(tmp_path, monkeypatch, 
     assert code == 0, text
     (run_dir,) = run_dirs(tmp_path / "b")
     assert json.loads((run_dir / "metrics.json").read_text())["status"] == "completed"
+
+
+def test_an_error_of_the_one_worker_in_this_process_is_said_as_under_ddp(tmp_path, monkeypatch, capsys):
+    """What torch elastic's agent reports of a failed worker, the in-process path says too:
+    one message naming the rank and the cause, the traceback in the log, a failed record."""
+    monkeypatch.syspath_prepend(PLUGINS)
+    code, text = run_cli_here(["model=mlp", "model._target_=faulty.Faulty", "+model.rank=0",
+                               "trainer.max_epochs=1"], tmp_path, monkeypatch, capsys)
+    assert code != 0 and "Traceback" not in text and "Error executing job" not in text
+    assert "a worker failed, so the whole run was stopped:\n  rank 0 (pid " in text
+    assert "raised RuntimeError: injected failure on rank 0" in text
+    (run_dir,) = run_dirs(tmp_path)
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["status"] == "failed" and "injected failure on rank 0" in metrics["error"]
+    assert "Traceback" in (run_dir / "ddpexp.log").read_text()

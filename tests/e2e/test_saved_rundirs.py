@@ -83,7 +83,11 @@ def test_saved_top_k_files_and_sharded_last_load_with_weights_only():
 @pytest.mark.parametrize("name,extra", [
     ("ddp_topk_ema", ["trainer.max_epochs=4"]),
     ("fsdp_sharded", ["trainer.max_epochs=3", "trainer.strategy=fsdp"]),
-])
+    # Across strategies: a sharded last.pt (a directory) becomes a file, and the reverse.
+    ("fsdp_sharded", ["trainer.max_epochs=3", "trainer.strategy=ddp"]),
+    ("fsdp_sharded", ["trainer.max_epochs=3", "trainer.strategy=single"]),
+    ("ddp_topk_ema", ["trainer.max_epochs=4", "trainer.strategy=fsdp"]),
+], ids=["ddp-single", "fsdp-fsdp", "fsdp-ddp", "fsdp-single", "ddp-fsdp"])
 def test_saved_run_resumes_to_the_end(name: str, extra: list, tmp_path: Path, monkeypatch, capsys):
     from helpers import run_cli_here
 
@@ -100,3 +104,27 @@ def test_saved_run_resumes_to_the_end(name: str, extra: list, tmp_path: Path, mo
     assert after["status"] == "completed"
     assert after["epochs"] == before["epochs"] + 1
     assert after["history"][: len(before["history"])] == before["history"]
+    # Saved as this strategy saves it: a sharded dir under fsdp, else one file.
+    last = run_dir / "checkpoints" / "last.pt"
+    assert last.is_dir() == ("trainer.strategy=fsdp" in extra)
+    assert not (run_dir / "checkpoints" / "last.pt.previous").exists()
+
+
+def test_a_sharded_last_gives_one_process_its_weights_and_optimizer_state(tmp_path: Path):
+    from ddpexp.checkpoint import io as ckpt_io
+    from ddpexp.checkpoint import state as schema
+    from helpers import build_trainer
+
+    run_dir = copy_of("fsdp_sharded", tmp_path)
+    saved = OmegaConf.load(run_dir / ".hydra" / "overrides.yaml")
+    kept = [o for o in saved if o.split("=")[0] not in {"trainer.procs", "trainer.strategy"}]
+    trainer = build_trainer(tmp_path / "single", kept)
+    last = run_dir / "checkpoints" / "last.pt"
+    schema.load(trainer, last)
+    whole = ckpt_io.load_sharded(last, keys=ckpt_io.SHARDED_KEYS)
+    state = trainer.optimizer.state_dict()
+    for i, (name, param) in enumerate(trainer.module.named_parameters()):
+        assert torch.equal(param.detach(), whole["model"][name]), name
+        for key, value in whole["optimizer"]["state"][name].items():
+            assert torch.equal(torch.as_tensor(state["state"][i][key]), torch.as_tensor(value)), (name, key)
+    assert trainer.step == torch.load(last / "meta.pt", weights_only=True)["step"] > 0

@@ -95,6 +95,20 @@ def run_cli(args: Sequence[str], cwd: Path, timeout: float = 180, env: Optional[
     return res
 
 
+def run_printed(line: str, cwd: Path, timeout: float = 180, env: Optional[dict] = None) -> CliResult:
+    """Run a command line that ddpexp printed (``python -m ddpexp ...``) as a user pastes
+    it into a shell: ``bash -c LINE``, with this interpreter's ``python`` first on PATH."""
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    full_env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    full_env.update({"PYTHONUNBUFFERED": "1", "PATH": path, **(env or {})})
+    proc = subprocess.Popen(["bash", "-c", line], cwd=cwd, env=full_env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    res = finish(proc, timeout)
+    assert not res.leftovers, f"processes left behind: {res.leftovers}"
+    assert res.returncode == 0, f"{line}: exit {res.returncode}\n{res.output}"
+    return res
+
+
 def run_dirs(root: Path) -> list[Path]:
     """Run dirs (those with a .hydra/config.yaml) under ``root``, oldest first."""
     return sorted(p.parent.parent for p in root.glob("**/.hydra/config.yaml")

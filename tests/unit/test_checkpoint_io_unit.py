@@ -121,3 +121,24 @@ def test_find_errors(tmp_path):
 def test_newest_last_none(tmp_path):
     assert io.newest_last(tmp_path) is None
     assert not io.is_sharded(tmp_path)
+
+
+def test_a_file_and_a_sharded_dir_replace_each_other_by_the_same_swap(tmp_path, gloo_group):
+    """A run resumed under another strategy saves last.pt as the other kind: a file where
+    a sharded dir was, and the reverse; nothing of the old one, nor a temporary, is left."""
+    last = tmp_path / "checkpoints" / io.LAST
+    io.save_sharded({"model": {"w": torch.ones(3)}}, {"step": 1}, last, is_main=True)
+    assert io.is_sharded(last)
+    io.save_atomic({"model": {"w": torch.zeros(3)}, "step": 2}, last)
+    assert last.is_file() and io.load(last)["step"] == 2
+    io.save_sharded({"model": {"w": torch.full((3,), 2.0)}}, {"step": 3}, last, is_main=True)
+    assert io.is_sharded(last) and io.load(last)["step"] == 3
+    assert torch.equal(io.load(last)["model"]["w"], torch.full((3,), 2.0))
+    assert sorted(p.name for p in last.parent.iterdir()) == [io.LAST]
+
+
+def test_a_crash_mid_swap_leaves_the_old_checkpoint_found(tmp_path):
+    previous = tmp_path / (io.LAST + ".previous")  # the old file, moved aside; the new dir not in yet
+    io.save_atomic({"model": {}, "step": 1}, previous)
+    assert io.newest_last(tmp_path) == previous
+    assert io.find(str(tmp_path / io.LAST), tmp_path) == previous

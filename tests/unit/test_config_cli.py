@@ -119,3 +119,48 @@ def test_env_flag(monkeypatch):
         assert cli.env_flag("DDPEXP_X") is expected
     monkeypatch.delenv("DDPEXP_X")
     assert not cli.env_flag("DDPEXP_X")
+
+
+def test_the_resume_command_keeps_every_flag_and_override_quoted_for_a_shell():
+    args = ["hydra.run.dir=outputs/old", "--config-dir", "my conf", "+callbacks.mine._target_=m.C",
+            "-cn", "other", "~callbacks.ema", "resume=auto", "model.hidden=[8, 8]", "-cp=conf",
+            "+resume=x", "'data.path=a b'"]
+    line = cli.resume_command(args, run_dir="outputs/my run", prefix="srun -n 2 python -m ddpexp")
+    assert line.startswith("srun -n 2 python -m ddpexp --config-dir 'my conf' -cn other -cp=conf ")
+    assert shlex.split(line)[6:] == [
+        "--config-dir", "my conf", "-cn", "other", "-cp=conf", "resume=outputs/my run",
+        "+callbacks.mine._target_=m.C", "~callbacks.ema", "model.hidden=[8, 8]", "'data.path=a b'"]
+    # A flag's value is the flag's, whatever it looks like.
+    assert shlex.split(cli.resume_command(["-cn", "resume=x"], run_dir="r"))[3:] == [
+        "-cn", "resume=x", "resume=r"]
+
+
+def test_the_command_that_continues_a_sweep(monkeypatch):
+    args = ["-m", "seed=1,2", "hydra.sweep.dir=old", "hydra.run.dir=kept", "resume=auto"]
+    line = cli.resume_command(args, sweep_dir="/s w")
+    assert shlex.split(line) == ["python", "-m", "ddpexp", "-m", "resume=auto",
+                                 "hydra.sweep.dir=/s w", "seed=1,2", "hydra.run.dir=kept"]
+    # A job process learns the sweep's command from the sweep's process.
+    monkeypatch.setattr("sys.argv", ["job.py", "spec", "result"])
+    monkeypatch.delenv(cli.SWEEP_COMMAND_ENV, raising=False)
+    assert cli.sweep_command() is None
+    assert cli.continue_sweep("/s") == "run the sweep's command again with: resume=auto hydra.sweep.dir=/s"
+    monkeypatch.setenv(cli.SWEEP_COMMAND_ENV, '["-m", "seed=1,2"]')
+    assert cli.continue_sweep("/s") == "run:\n  python -m ddpexp -m resume=auto hydra.sweep.dir=/s seed=1,2"
+
+
+def test_entry_typos_name_the_entries_of_the_composed_config(tmp_path):
+    (tmp_path / "callbacks").mkdir()
+    (tmp_path / "callbacks" / "mine.yaml").write_text(
+        "defaults:\n  - default\nweight_norms:\n  _target_: m.Norms\n  every: 2\n")
+    conf = ["--config-dir", str(tmp_path), "callbacks=mine"]
+    text = cli.unknown_entry_keys([*conf, "callbacks.weight_norm.every=3"])
+    assert text.startswith("unknown entry callbacks.weight_norm: did you mean callbacks.weight_norms?")
+    assert "weight_norms" in text.splitlines()[1]
+    assert cli.unknown_entry_keys([*conf, "callbacks.weight_norms.evry=3"]).startswith(
+        "unknown key callbacks.weight_norms.evry: did you mean callbacks.weight_norms.every?")
+    # Keys that are there, additions, sweeps of other keys and another primary config pass.
+    assert cli.unknown_entry_keys([*conf, "callbacks.weight_norms.every=3", "+callbacks.x._target_=a.B",
+                                   "~callbacks.ema", "seed=1,2"]) is None
+    assert cli.unknown_entry_keys(["-cn", "other", "callbacks.nope.x=1"]) is None
+    assert cli.unknown_entry_keys(["model=mlp"]) is None  # nothing composed

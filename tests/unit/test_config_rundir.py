@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from ddpexp.config import rundir
@@ -98,3 +100,14 @@ def test_holds_run(tmp_path):
     assert not rundir.holds_run(tmp_path)
     (tmp_path / "metrics.json").write_text("{}")
     assert rundir.holds_run(tmp_path)
+
+
+def test_unused_claims_are_dropped_with_the_parents_they_leave_empty(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    stray = Path(rundir.unique_dir("outputs/2026-01-01/10-00-00"))
+    used = Path(rundir.unique_dir("outputs/debug/2026-01-01/10-00-00"))
+    kept = Path(rundir.unique_dir("outputs/2026-01-01/10-00-01"))
+    (kept / "notes.txt").write_text("a run's")
+    rundir.drop_unused_claims(used)
+    assert not stray.exists() and used.is_dir() and (kept / "notes.txt").exists()
+    assert (tmp_path / "outputs").is_dir()

@@ -40,20 +40,44 @@ def test_newest_config_dir(tmp_path):
     assert failures._newest_config_dir(tmp_path) == tmp_path / ".hydra" / "resume-10"
 
 
-def test_tidy_removes_fresh_dir_with_only_config(tmp_path):
-    run = tmp_path / "run"
+def _hydra(mode="RUN"):
+    from types import SimpleNamespace
+
+    from hydra.types import RunMode
+
+    return SimpleNamespace(mode=RunMode[mode], job=SimpleNamespace(name="ddpexp"))
+
+
+def _before_the_first_step(run):
+    """What a run that failed before its first step leaves: its config, its log and the
+    failure's record."""
     (run / ".hydra").mkdir(parents=True)
     (run / "ddpexp.log").write_text("x")
-    failures._tidy(run, run / ".hydra", run / "checkpoints" / "last.pt", None, fresh=True)
+    (run / "metrics.json").write_text('{"status": "failed", "error": "task.metrics: ..."}')
+    return run
+
+
+def test_tidy_removes_a_run_that_failed_before_its_first_step(tmp_path):
+    run = _before_the_first_step(tmp_path / "run")
+    failures._tidy(run, run / ".hydra", run / "checkpoints" / "last.pt", None, _hydra())
     assert not run.exists()
+    # A sweep job's dir stays, its error in its record.
+    job = _before_the_first_step(tmp_path / "job")
+    failures._tidy(job, job / ".hydra", job / "checkpoints" / "last.pt", None, _hydra("MULTIRUN"))
+    assert (job / "metrics.json").exists()
 
 
-def test_tidy_keeps_dir_with_work(tmp_path):
-    run = tmp_path / "run"
-    (run / ".hydra").mkdir(parents=True)
-    (run / "metrics.json").write_text("{}")
-    failures._tidy(run, run / ".hydra", run / "checkpoints" / "last.pt", None, fresh=True)
-    assert (run / "metrics.json").exists()
+@pytest.mark.parametrize("work", ["metrics.json", "tb", "notes.log", "mine.txt"])
+def test_tidy_keeps_a_dir_with_work_or_files_of_others(tmp_path, work):
+    run = _before_the_first_step(tmp_path / "run")
+    if work == "metrics.json":  # the trainer's record counts steps
+        (run / work).write_text('{"status": "failed", "steps": 3}')
+    elif work == "tb":
+        (run / work).mkdir()
+    else:
+        (run / work).write_text("mine")
+    failures._tidy(run, run / ".hydra", run / "checkpoints" / "last.pt", None, _hydra())
+    assert (run / "metrics.json").exists() and (run / work).exists()
 
 
 def test_tidy_removes_unused_resume_config(tmp_path):
@@ -64,7 +88,7 @@ def test_tidy_removes_unused_resume_config(tmp_path):
     last = run / "checkpoints" / "last.pt"
     last.write_bytes(b"x")
     stamp = failures._stamp(last)
-    failures._tidy(run, resume, last, stamp, fresh=False)
+    failures._tidy(run, resume, last, stamp, _hydra())
     assert not resume.exists() and last.exists()
 
 

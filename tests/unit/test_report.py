@@ -165,3 +165,16 @@ def test_cli_group_seeds_plots_mean_and_band(tmp_path: Path) -> None:
     png = tmp_path / "curves.png"
     assert report.main([str(tmp_path), "--group-seeds", "--plot", str(png)]) == 0
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_job_refused_before_it_trained_shows_the_error_its_sweep_recorded(tmp_path: Path, capsys) -> None:
+    fake_run(tmp_path / "0", ["lr=0.1"], metrics(0.5, 0.4))
+    fake_run(tmp_path / "1", ["lr=-1"], None)  # refused before training: no metrics.json
+    rows = report.collect(tmp_path)
+    rows[1].status, rows[1].error = "failed", "optimizer.lr=-1 must be >= 0 (the learning rate)"
+    report.write_summary(tmp_path, rows)  # as the launcher wrote it, from the job's report
+    refused = {r.job: r for r in report.collect(tmp_path)}["1"]
+    assert refused.status == "failed" and refused.error.startswith("optimizer.lr=-1 must be >= 0")
+    assert report.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer.lr=-1 must be >= 0" in out and report.NO_METRICS not in out

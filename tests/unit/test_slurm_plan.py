@@ -92,8 +92,9 @@ def test_workers_that_disagree_with_the_tasks_are_refused(step_env):
     assert world_plan(trainer(procs=2), world).procs == 2
 
 
-def test_the_resume_hint_repeats_the_srun(step_env, tmp_path):
-    hydra_cfg = SimpleNamespace(overrides=SimpleNamespace(task=["model=mlp", "hydra.run.dir=x"]))
+def test_the_resume_hint_repeats_the_srun(step_env, tmp_path, monkeypatch):
+    hydra_cfg = SimpleNamespace(mode=None)  # a run, not a sweep
+    monkeypatch.setattr("sys.argv", ["ddpexp", "model=mlp", "hydra.run.dir=x"])
     hint = _resume_hint(tmp_path, hydra_cfg)
     assert f"  srun --ntasks-per-node=2 python -m ddpexp resume={tmp_path} model=mlp" in hint
     step_env(SLURM_NTASKS="4", SLURM_STEP_NUM_NODES="2")

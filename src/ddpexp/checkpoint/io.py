@@ -10,6 +10,8 @@ torch.distributed.checkpoint's files, each rank's shards of the weights and the 
 state written by that rank, plus ``meta.pt`` (everything else, one ``torch.save`` file). Such a
 directory is written under a temporary name and renamed into place; while the rename happens
 the previous one waits beside it as ``last.pt.previous``, which :func:`find` falls back to.
+A file that replaces such a directory (a run resumed under another strategy), or the reverse,
+is swapped in the same way.
 """
 
 from __future__ import annotations
@@ -50,18 +52,38 @@ def save_atomic(obj: dict, path: Path) -> None:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        _swap_into(tmp, path)
     except RuntimeError:
-        tmp.unlink(missing_ok=True)
         # torch's archive writer reports a short write ("unexpected pos ...", "file write
-        # failed") without the errno; a full disk is by far the usual cause.
-        if _disk_full(path.parent):
+        # failed", "enforce fail at inline_container.cc") without the errno; a full disk is
+        # by far the usual cause. Asked while the partial file still fills it.
+        full = _disk_full(path.parent)
+        tmp.unlink(missing_ok=True)
+        if full:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from None
         raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def _swap_into(new: Path, path: Path) -> None:
+    """Put ``new`` (a file, or a sharded checkpoint's directory) at ``path``. A file over a
+    file is one atomic rename. Where a directory is replaced, or replaces a file (a run
+    resumed under another strategy), the old one waits as ``path.previous`` while the new
+    one is renamed in, so a crash at any instant leaves one of them readable (:func:`find`
+    falls back to ``.previous``)."""
+    if new.is_file() and not path.is_dir():
+        os.replace(new, path)
+        return
+    previous = path.with_name(path.name + _PREVIOUS)
+    _remove(previous)
+    if path.exists():
+        os.replace(path, previous)
+    os.replace(new, path)
+    _fsync_dir(path.parent)
+    _remove(previous)
 
 
 def _disk_full(directory: Path, need: int = 1 << 20) -> bool:
@@ -174,13 +196,7 @@ def save_sharded(tensors: dict, meta: Optional[dict], path: Path, is_main: bool)
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(tmp)
-    previous = path.with_name(path.name + _PREVIOUS)
-    _remove(previous)
-    if path.exists():
-        os.replace(path, previous)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-    _remove(previous)
+    _swap_into(tmp, path)
 
 
 def load_sharded(path: Path, keys: Sequence[str] = ("model", "raw_model"),
@@ -361,9 +377,9 @@ def find(resume: Optional[str], run_dir: Path, base: Optional[Path] = None) -> O
 
 
 def newest_last(directory: Path) -> Optional[Path]:
-    """``directory``'s last.pt, or the sharded one a crash left mid-rename; None if neither."""
+    """``directory``'s last.pt, or the one a crash left mid-swap; None if neither."""
     last = directory / LAST
     if last.exists():
         return last
     previous = directory / (LAST + _PREVIOUS)
-    return previous if is_sharded(previous) else None
+    return previous if is_sharded(previous) or previous.is_file() else None

@@ -17,7 +17,8 @@ Schema of a checkpoint (format 3; ``torch.load(weights_only=True)`` reads every 
     metrics      the latest validation metrics, e.g. {"val/loss": .., "val/acc": ..}
     history      [{epoch, step, val/...}, ...] of every validation so far
     callbacks    {name: the callback's state_dict()}, e.g. callbacks/checkpoint's top-k
-                 ranking, callbacks/early_stopping's counter
+                 ranking, callbacks/early_stopping's counter; numpy arrays and scalars in
+                 it as tagged tensors (:mod:`ddpexp.checkpoint.portable`)
     loggers      {name: the logger's state_dict()}, e.g. the MLflow run id
     ranks        one entry per rank: {"rng": generator states (torch, cuda, numpy, python),
                  "train_accum": {"names", "sums", "seen"} not yet logged}
@@ -50,6 +51,7 @@ import torch.distributed as dist
 
 from ddpexp.callbacks.base import Dispatch, TrainerView
 from ddpexp.checkpoint import io as ckpt_io
+from ddpexp.checkpoint import portable
 from ddpexp.strategies.dist import rng_state, set_rng_state
 from ddpexp.errors import ConfigError
 
@@ -96,7 +98,8 @@ def gather(trainer: Trainer) -> Optional[dict]:
         "scheduler": trainer.scheduler.state_dict() if trainer.scheduler is not None else None,
         "scaler": trainer.scaler.state_dict() if trainer.scaler.is_enabled() else None,
         **trainer.state.state_dict(),  # epoch, batch, step, best, metrics, history
-        "callbacks": {name: cb.state_dict() for name, cb in trainer.callbacks},
+        "callbacks": {name: portable.encode(cb.state_dict(), f"callbacks.{name}")
+                      for name, cb in trainer.callbacks},
         "loggers": trainer.loggers.state_dict(),
         "ranks": ranks,
         "world_size": trainer.world_size,
@@ -199,9 +202,10 @@ def _batch_here(state: dict, global_batch: int, is_main: bool) -> int:
 
 
 def callback_states(ckpt: Mapping[str, Any]) -> dict:
-    """The callbacks' states of checkpoint ``ckpt`` by name (format 2 included)."""
+    """The callbacks' states of checkpoint ``ckpt`` by name (format 2 included), numpy
+    arrays and scalars as they were saved (:mod:`ddpexp.checkpoint.portable`)."""
     if "callbacks" in ckpt:
-        return dict(ckpt["callbacks"] or {})
+        return {name: portable.decode(s) for name, s in (ckpt["callbacks"] or {}).items()}
     return {"checkpoint": {"top_k": ckpt.get("top_k")},
             "early_stopping": {"best": (ckpt.get("best") or {}).get("value"),
                                "bad_epochs": int(ckpt.get("early_stop", 0))}}

@@ -1,12 +1,15 @@
 """The command line before Hydra reads it: trainer-key typos, a run dir that already holds
-a run, ``resume=`` paths, and overrides quoted back for a printed command."""
+a run, ``resume=`` paths, and overrides quoted back for a printed command (the command that
+continues a run, :func:`resume_command`)."""
 
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 import shlex
+import sys
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -37,6 +40,81 @@ def unknown_trainer_keys(args: list[str]) -> Optional[str]:
         return None
     return ("unknown trainer key " + "; ".join(problems)
             + f"\n(trainer keys: {', '.join(known)})")
+
+
+# The groups composed as dicts of entries by name.
+ENTRY_GROUPS = ("callbacks", "logger")
+# Flags that choose another primary config than ddpexp's: the entries are then unknown here.
+_OTHER_PRIMARY = ("--config-path", "-cp", "--config-name", "-cn")
+
+
+def unknown_entry_keys(args: Sequence[str]) -> Optional[str]:
+    """A message for an override of ``callbacks.NAME...`` or ``logger.NAME...`` (a value or
+    a ``~`` deletion) whose NAME, or key under it, the composed config does not have,
+    naming the closest one and those there are. Hydra rejects them too, but suggests
+    ``+callbacks.NAME...`` (a new entry that builds nothing the user meant), the wrong fix
+    for a typo. The config is composed (without those overrides) only when there are some."""
+    parser = OverridesParser.create()
+    targets, rest, config_dir = [], [], None
+    flags = iter(args)
+    for arg in flags:
+        if arg in _OTHER_PRIMARY or arg.split("=", 1)[0] in _OTHER_PRIMARY:
+            return None
+        if arg in ("--config-dir", "-cd"):
+            config_dir = next(flags, None)
+            continue
+        if arg.startswith("--config-dir="):
+            config_dir = arg.split("=", 1)[1]
+            continue
+        if arg.startswith("-"):
+            continue
+        try:
+            override = parser.parse_override(arg)
+        except HydraException:
+            return None  # Hydra's own message says what is wrong with it
+        key = override.key_or_group
+        if override.is_sweep_override() or key.startswith("hydra"):
+            continue
+        addition = override.is_add() or override.is_force_add()
+        if key.split(".", 1)[0] in ENTRY_GROUPS and "." in key and not addition:
+            targets.append(key)
+        else:
+            rest.append(arg)
+    if not targets:
+        return None
+    from ddpexp.config.compose import composed
+
+    try:
+        cfg = composed(rest, config_dir)
+    except Exception:  # noqa: BLE001 - Hydra reports what is wrong with the rest itself
+        return None
+    problems = [p for p in (_missing_key(cfg, key) for key in targets) if p]
+    return "\n".join(problems) or None
+
+
+def _missing_key(cfg: Any, key: str) -> Optional[str]:
+    """Why the dotted ``key`` is not in ``cfg``: the first part that is missing, the names
+    there are where it is and the closest of them; None if it is there."""
+    from omegaconf import DictConfig
+
+    node, path = cfg, []
+    for part in key.split("."):
+        if not isinstance(node, DictConfig):
+            return None  # a value's own keys: Hydra's message
+        if part not in node:
+            if not path:
+                return None  # the whole group was removed (~callbacks): Hydra's message
+            where, entry = ".".join(path), len(path) == 1
+            names = [str(k) for k in node.keys()]
+            close = difflib.get_close_matches(part, names, n=1)
+            new = f"+{where}.{part}._target_=..." if entry else f"+{where}.{part}=..."
+            hint = (f"did you mean {where}.{close[0]}?" if close else
+                    f"{where} has no {part} (a new {'entry' if entry else 'argument'}: {new})")
+            kind = "entry" if entry else "key"
+            return (f"unknown {kind} {where}.{part}: {hint}\n"
+                    f"({where}: {', '.join(names) or 'none'})")
+        node, path = node[part], [*path, part]
+    return None
 
 
 # A sweep's value (``a,b``, ``range(3)``) in :func:`command_line_values`.
@@ -83,11 +161,64 @@ def command_line_override(key: str, value: Any) -> str:
     return shlex.quote(f'{key}="{escaped}"')
 
 
+# Hydra's flags that take the next word as their value (``--config-dir my_conf``).
+_VALUE_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn",
+                "--cfg", "-c", "--package", "-p", "--experimental-rerun")
+# Where a sweep's job processes find the sweep's command line (a JSON list of its words):
+# their own is the job runner's.
+SWEEP_COMMAND_ENV = "DDPEXP_SWEEP_COMMAND"
+
+
+def resume_command(args: Sequence[str], run_dir: Optional[Path | str] = None,
+                   sweep_dir: Optional[Path | str] = None, prefix: str = "python -m ddpexp") -> str:
+    """The command that continues the run (or, with ``sweep_dir``, the sweep) that the
+    command line ``args`` started, as one line a shell runs as it is: every flag
+    (``--config-dir``, ``-cp``, ``-cn``, ``-m``) and override (``+``/``~`` ones included)
+    of ``args`` kept, its ``resume=`` and run dir (``hydra.run.dir``, or ``hydra.sweep.dir``
+    for a sweep) replaced by ``resume=<run_dir>`` (``resume=auto
+    hydra.sweep.dir=<sweep_dir>``), each word quoted for the shell."""
+    replaced = ("resume", "hydra.sweep.dir" if sweep_dir is not None else "hydra.run.dir")
+    flags, overrides, value_of_flag = [], [], False
+    for arg in args:
+        if value_of_flag or arg.startswith("-"):
+            flags.append(arg)
+        elif arg.split("=", 1)[0].lstrip("+~") not in replaced:
+            overrides.append(arg)
+        value_of_flag = arg in _VALUE_FLAGS
+    if sweep_dir is not None:
+        resume = ["resume=auto", command_line_override("hydra.sweep.dir", sweep_dir)]
+    else:
+        resume = [command_line_override("resume", run_dir)]
+    # Flags first: Hydra's argument parser takes no flag after the first override.
+    return " ".join([prefix, *map(shlex.quote, flags), *resume, *map(shlex.quote, overrides)])
+
+
+def sweep_command() -> Optional[list[str]]:
+    """The command line of the sweep this process runs (a job of): the one a sweep process
+    hands its job processes (:data:`SWEEP_COMMAND_ENV`), or this process's own where it is
+    the sweep's; None where neither is known (a job of another launcher, e.g. submitit)."""
+    handed = os.environ.get(SWEEP_COMMAND_ENV)
+    if handed:
+        return json.loads(handed)
+    own = sys.argv[1:]
+    return own if any(a in ("-m", "--multirun") for a in own) else None
+
+
+def continue_sweep(sweep_dir: Path | str) -> str:
+    """How to continue the sweep in ``sweep_dir``: its whole command where it is known
+    (:func:`sweep_command`), else what to add to it."""
+    args = sweep_command()
+    if args is None:
+        return ("run the sweep's command again with: resume=auto "
+                + command_line_override("hydra.sweep.dir", sweep_dir))
+    return "run:\n  " + resume_command(args, sweep_dir=sweep_dir)
+
+
 def preflight(args: list[str]) -> Optional[str]:
-    """Checks of the command line that must happen before Hydra claims a run dir: trainer
-    key typos, a run dir that already holds a run, and a ``resume=`` path that does not
+    """Checks of the command line that must happen before Hydra claims a run dir: trainer,
+    callbacks and logger key typos, a run dir that already holds a run, and a ``resume=`` path that does not
     exist (which would otherwise leave an empty new run dir behind its error)."""
-    typo = unknown_trainer_keys(args)
+    typo = unknown_trainer_keys(args) or unknown_entry_keys(args)
     if typo:
         return typo
     taken = run_dir_conflict(args)

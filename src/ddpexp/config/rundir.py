@@ -52,6 +52,22 @@ def claimed_dirs() -> set[str]:
     return {str(Path(key).parent / Path(d).name) for key, d in _CLAIMED.items()}
 
 
+def drop_unused_claims(used: Path) -> None:
+    """Remove the dirs this process claimed that stayed empty and are not ``used`` (the run
+    or sweep dir Hydra settled on), with parents they leave empty. Composing a config that
+    overrides ``hydra.run.dir`` (``debug=*`` puts runs in ``outputs/debug/``) resolves the
+    overridden value once too, which claims ``outputs/<date>/<time>`` for nothing."""
+    used = Path(used).absolute()
+    for claimed in claimed_dirs():
+        path = Path(claimed)
+        while path != used and path not in used.parents and path.name != "outputs":
+            try:
+                path.rmdir()  # only an empty one
+            except OSError:
+                break
+            path = path.parent
+
+
 def unwritable_dir_message(path: Path, exc: OSError) -> str:
     """Why a run dir cannot be made at ``path``, and what to do about it."""
     why = exc.strerror or str(exc)

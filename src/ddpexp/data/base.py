@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from ddpexp.config.lists import as_list
 from ddpexp.errors import ConfigError
 
 
@@ -105,7 +106,7 @@ class DataSource:
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.num_classes = num_classes
-        self.shape = tuple(shape) if shape is not None else None
+        self.shape = tuple(as_list(shape)) if shape is not None else None  # data.shape=8: [8]
         self.pin_memory = pin_memory
         self.persistent_workers = persistent_workers
         self.prefetch_factor = prefetch_factor

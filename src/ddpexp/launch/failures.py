@@ -1,8 +1,10 @@
 """What a failed run leaves behind and how an operating-system error is told to the user.
 
 :func:`guard_run` wraps the task function: whatever way a run fails, the run dir ends in a
-state the user can act on. A run dir this process created that holds nothing but Hydra's
-config and the log is removed (a config mistake leaves no empty run behind); a resume that
+state the user can act on. A mistake found before the first step leaves no run dir: a
+run's dir that holds nothing but Hydra's config, the log and the failure's record is
+removed (a sweep job's stays, its error in its row); its message is the run's only output
+(Hydra's "Error executing job" line is not printed before it); a resume that
 failed before it wrote a checkpoint takes its ``.hydra/resume-N`` with it; a second Ctrl-C
 marks ``metrics.json`` interrupted instead of leaving it ``running``; and an ``OSError``
 (an unreadable ``data.root``, a read-only or full disk) becomes one message naming the file
@@ -16,24 +18,28 @@ connection to the failed one are not counted as causes.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import logging
+import os
 import re
 import functools
 import shutil
 import signal
 import threading
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, NoReturn, Optional
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from ddpexp.config.rundir import claimed_dirs
+from ddpexp.config.rundir import claimed_dirs, drop_unused_claims
 from ddpexp import errors
 from ddpexp.errors import ConfigError, DdpexpError, RunInterrupted
 from ddpexp.launch.resources import oom_kills
-from ddpexp.record import record_failure, run_started
+from ddpexp.config.cli import env_flag
+from ddpexp.record import METRICS_FILE, read_metrics_or_empty, record_failure, run_started
 
 # Files Hydra itself writes into a run dir before the task runs.
 _HYDRA_ONLY = {".hydra"}
@@ -75,31 +81,60 @@ def guard_run(task: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def guarded(cfg: Any) -> Any:
         hydra_cfg = HydraConfig.get()
         run_dir = Path(hydra_cfg.runtime.output_dir)
+        if hydra_cfg.mode == RunMode.RUN:
+            drop_unused_claims(run_dir)
         config_dir = _newest_config_dir(run_dir)
         last = run_dir / "checkpoints" / "last.pt"
         last_before = _stamp(last)
         started = run_started()
         try:
-            return task(cfg)
+            with quiet_logging_errors():
+                return task(cfg)
         except KeyboardInterrupt:
             exc: BaseException = RunInterrupted(
                 "stopped by a second SIGINT before a checkpoint was saved; the last one (if "
                 f"any) is in {run_dir}/checkpoints", signal="SIGINT")
             record_failure(run_dir, exc, started)
             _ignore_further_interrupts()
-            raise exc from None
-        except OSError as err:
-            root = _select(cfg, "data.root")
-            exc = explain_os_error(err, str(root) if root else None, str(run_dir))
-            record_failure(run_dir, exc, started)
-            raise exc from None
-        except BaseException as exc:
+            _report(exc, hydra_cfg)
+        except BaseException as err:
+            exc = err
+            if isinstance(err, OSError):
+                root = _select(cfg, "data.root")
+                exc = explain_os_error(err, str(root) if root else None, str(run_dir))
+                record_failure(run_dir, exc, started)
             if isinstance(exc, RunInterrupted):
                 _ignore_further_interrupts()
-            _tidy(run_dir, config_dir, last, last_before, fresh=_fresh(run_dir, hydra_cfg))
-            raise
+            else:
+                _tidy(run_dir, config_dir, last, last_before, hydra_cfg)
+            if exc is err and not isinstance(exc, DdpexpError):
+                raise
+            _report(exc, hydra_cfg)
 
     return guarded
+
+
+@contextlib.contextmanager
+def quiet_logging_errors() -> Iterator[None]:
+    """A log file that cannot take a line (a full disk) loses it quietly, instead of
+    printing "--- Logging error ---" and a traceback on the terminal for every line: what
+    failed is reported once, by the run's message."""
+    before = logging.raiseExceptions
+    logging.raiseExceptions = False
+    try:
+        yield
+    finally:
+        logging.raiseExceptions = before
+
+
+def _report(exc: BaseException, hydra_cfg: Any) -> NoReturn:
+    """End a run with ddpexp's message ``exc``. A run on its own leaves with it as its exit
+    message: raised on, Hydra would print "Error executing job with overrides: [...]" first.
+    A sweep's job raises it for the launcher, which puts it in the job's row;
+    ``HYDRA_FULL_ERROR=1`` raises it too, for the whole traceback."""
+    if hydra_cfg.mode == RunMode.RUN and not env_flag("HYDRA_FULL_ERROR"):
+        raise SystemExit(str(exc)) from None
+    raise exc from None
 
 
 def _ignore_further_interrupts() -> None:
@@ -110,15 +145,34 @@ def _ignore_further_interrupts() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _tidy(run_dir: Path, config_dir: Path, last: Path, last_before: Any, fresh: bool) -> None:
-    """Remove what a failed run added without doing any work."""
-    if fresh and run_dir.is_dir():
-        left = {p.name for p in run_dir.iterdir() if p.suffix != ".log"}
-        if left <= _HYDRA_ONLY:
+def _tidy(run_dir: Path, config_dir: Path, last: Path, last_before: Any, hydra_cfg: Any) -> None:
+    """Remove what a failed run added without doing any work: a run dir of its own that holds
+    only Hydra's config, the log and the record of a failure before the first step (a
+    mistake found then leaves no run dir), or the ``.hydra/resume-N`` of a failed resume."""
+    log_name = f"{hydra_cfg.job.name}.log"
+    if hydra_cfg.mode == RunMode.RUN and config_dir == run_dir / ".hydra" and \
+            _untouched(run_dir, log_name):
+        for entry in run_dir.iterdir():
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        if str(run_dir) in claimed_dirs() or not any(run_dir.iterdir()):
             shutil.rmtree(run_dir, ignore_errors=True)
-            return
+        return
     if config_dir.name.startswith("resume-") and _stamp(last) == last_before:
         shutil.rmtree(config_dir, ignore_errors=True)
+
+
+def _untouched(run_dir: Path, log_name: str) -> bool:
+    """Whether ``run_dir`` holds nothing but what every run writes before its first step:
+    Hydra's config, the run's log ``log_name``, and a ``metrics.json`` that counts no step."""
+    if not run_dir.is_dir():
+        return False
+    for entry in run_dir.iterdir():
+        if entry.name in (*_HYDRA_ONLY, log_name):
+            continue
+        if entry.name == METRICS_FILE and not read_metrics_or_empty(run_dir).get("steps"):
+            continue
+        return False
+    return True
 
 
 def _newest_config_dir(run_dir: Path) -> Path:
@@ -129,11 +183,6 @@ def _newest_config_dir(run_dir: Path) -> Path:
     if not resumes:
         return run_dir / ".hydra"
     return max(resumes, key=lambda p: int(p.name[7:]))
-
-
-def _fresh(run_dir: Path, hydra_cfg: Any) -> bool:
-    """Whether this process created ``run_dir`` for this run (not a resumed or named dir)."""
-    return hydra_cfg.mode == RunMode.RUN and str(run_dir) in claimed_dirs()
 
 
 def _stamp(path: Path) -> Optional[int]:
@@ -203,6 +252,14 @@ def describe_elastic_failure(exc: Any, oom_kills_before: Optional[int] = None,
             "e.g. stuck in data loading or a deadlock, or skipped a collective)"
         )
     return text
+
+
+def describe_own_failure(exc: BaseException) -> str:
+    """The message of a run whose one worker, this process, raised ``exc``: as
+    :func:`describe_elastic_failure` words a worker the agent saw fail (its traceback is in
+    the run's log)."""
+    cause, _ = rank_error(exc)
+    return f"a worker failed, so the whole run was stopped:\n  rank 0 (pid {os.getpid()}) {cause}"
 
 
 def _logged_failures(log_file: Optional[str]) -> dict[int, tuple[str, str]]:

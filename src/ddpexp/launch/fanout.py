@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
-import shlex
 import shutil
 import signal
+import sys
 import tempfile
 import uuid
 from dataclasses import dataclass
@@ -27,11 +27,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ddpexp.launch import ranks
 from ddpexp.launch.world import OWN_WORKER_ENV, World, detect
-from ddpexp.config.cli import command_line_override, env_flag
+from ddpexp.config.cli import continue_sweep, env_flag, resume_command
 from ddpexp.config.schema import to_plain
 from ddpexp.config.validate import validate
 from ddpexp.errors import ConfigError, DdpexpError, RunDiverged, RunFailed, RunInterrupted
-from ddpexp.launch.failures import describe_elastic_failure, guard_run
+from ddpexp.launch.failures import describe_elastic_failure, describe_own_failure, guard_run
 from ddpexp.config.monitor import fill_monitor
 from ddpexp.record import record_failure, record_wall_time, run_started
 from ddpexp.launch.resources import check_resources, oom_kills
@@ -252,7 +252,12 @@ def dispatch(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
     if plan.world_size == 1 and cfg.trainer.max_restarts == 0:
         payload.in_process = True
         # No elastic agent: this process is the worker, so it takes SIGTERM/SIGINT itself.
-        return run_worker.__wrapped__(payload)
+        try:
+            return run_worker.__wrapped__(payload)
+        except DdpexpError:
+            raise
+        except Exception as exc:  # what the agent reports of a failed worker, said the same way
+            raise RunFailed(describe_own_failure(exc)) from exc
     return _elastic(plan, cfg, payload)
 
 
@@ -386,16 +391,16 @@ def _elastic(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
 
 
 def _resume_hint(run_dir: Path, hydra_cfg: Any) -> str:
-    """How to continue: the same command line with ``resume=<run dir>``."""
+    """How to continue: the command line that started the run (or its sweep), every flag and
+    override kept, with ``resume=<run dir>`` (``resume=auto`` and the sweep dir)."""
     if hydra_cfg is None and HydraConfig.initialized():
         hydra_cfg = HydraConfig.get()
-    overrides = list(hydra_cfg.overrides.task) if hydra_cfg is not None else []
-    kept = [o for o in overrides if not o.split("=", 1)[0].lstrip("+~") in ("resume", "hydra.run.dir")]
-    args = " ".join([command_line_override("resume", run_dir), *map(shlex.quote, kept)])
-    return (
-        f"the last checkpoint is in {run_dir}/checkpoints. Continue it with:\n"
-        f"  {_command()} {args}"
-    )
+    where = f"the last checkpoint is in {run_dir}/checkpoints. "
+    if hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN:
+        return where + "To continue the sweep, " + continue_sweep(
+            Path(str(hydra_cfg.sweep.dir)).absolute())
+    command = resume_command(sys.argv[1:], run_dir=run_dir, prefix=_command())
+    return where + f"Continue it with:\n  {command}"
 
 
 def _command() -> str:

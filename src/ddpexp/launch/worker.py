@@ -93,6 +93,10 @@ def run_worker(payload: WorkerPayload, store: Optional[dist.Store] = None) -> Op
                         resume_from or "scratch (no checkpoint yet)")
     ddist.init_process_group(ctx, trainer_cfg["dist_timeout_s"],
                              force=trainer_cfg["strategy"] in ("ddp", "fsdp"), store=store)
+    if not payload.in_process:
+        # A full disk costs the log its lines, not a "--- Logging error ---" traceback per
+        # line (launch.failures.quiet_logging_errors; in process, the run's parent set it).
+        logging.raiseExceptions = False
     try:
         trainer = Trainer.from_config(cfg, ctx, Path(payload.run_dir), payload.hparams)
         if payload.eval_checkpoint is not None:

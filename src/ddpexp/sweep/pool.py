@@ -22,6 +22,7 @@ starts a new trial the moment a slot frees.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
@@ -41,7 +42,8 @@ from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrid
 from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from ddpexp.config.cli import command_line_override
+from ddpexp.config.rundir import drop_unused_claims
+from ddpexp.config.cli import SWEEP_COMMAND_ENV, continue_sweep, sweep_command
 from ddpexp.errors import RunInterrupted
 from ddpexp.sweep.summary import job_error, summarize
 from ddpexp.record import FINISHED, JOB_STARTED_ENV, read_metrics_or_empty
@@ -198,8 +200,7 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
     summarize(launcher, jobs, sweep_dir)
     if pool.stopped:
         raise SweepInterrupted(
-            f"the sweep was stopped by {pool.stopped}. To finish it, run the same command "
-            f"with: resume=auto {command_line_override('hydra.sweep.dir', sweep_dir)}"
+            f"the sweep was stopped by {pool.stopped}. To finish it, {continue_sweep(sweep_dir)}"
         )
     return [j.ret for j in jobs]  # type: ignore[misc]  # every job has ended: each has its JobReturn
 
@@ -212,6 +213,7 @@ def begin(launcher: Any) -> Path:
     configure_log(config.hydra.hydra_logging, config.hydra.verbose)
     sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
     sweep_dir.mkdir(parents=True, exist_ok=True)
+    drop_unused_claims(sweep_dir)
     return sweep_dir
 
 
@@ -377,6 +379,9 @@ def _start(launcher: Any, job: Job, taken: tuple, split: bool, workdir: Path) ->
     job.started = time.time()
     # The run counts its wall time from here, the job process's start-up included.
     env = {**os.environ, **job.env, JOB_STARTED_ENV: repr(job.started)}
+    command = sweep_command()
+    if command is not None:  # what a job's "continue it with" repeats
+        env[SWEEP_COMMAND_ENV] = json.dumps(command)
     if split and cores:
         # Workers split these further (ddpexp.launch.worker.set_threads divides the affinity mask).
         for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):

@@ -27,7 +27,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
 
 from ddpexp.sweep import pruning
-from ddpexp.config.cli import command_line_override
+from ddpexp.config.cli import continue_sweep
 from ddpexp.errors import ConfigError
 from ddpexp.config.monitor import resolve_monitor
 from ddpexp.record import read_metrics_or_empty
@@ -175,8 +175,8 @@ class _Search:
         best = self._results()
         if pool.stopped:
             raise sweep_pool.SweepInterrupted(
-                f"the search was stopped by {pool.stopped}. To continue it, run the same "
-                f"command with: resume=auto {command_line_override('hydra.sweep.dir', self.sweep_dir)}")
+                f"the search was stopped by {pool.stopped}. To continue it, "
+                f"{continue_sweep(self.sweep_dir)}")
         if self.failed and self.launcher.fail_fast:
             raise SearchStopped("the search stopped at the first failed trial "
                                 "(hydra.launcher.fail_fast=true); see the failures above")

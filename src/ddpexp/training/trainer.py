@@ -180,9 +180,14 @@ class Trainer:
         return self.ctx.is_main
 
     def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
-        """Send ``metrics`` to every logger at ``step`` (default: the current step). Rank 0
-        writes; on the other ranks this is a no-op."""
-        self.loggers.log_metrics(metrics, self.step if step is None else step, self.epoch)
+        """Send ``metrics`` to every logger at ``step`` (default: the current step; in
+        ``on_before_optimizer_step``, the step being taken, as the built-in metrics of that
+        optimizer step). Rank 0 writes; on the other ranks this is a no-op."""
+        if step is None:
+            # In on_before_optimizer_step, the step about to be counted: the one the built-in
+            # metrics of that optimizer step are logged at.
+            step = self.step + self._stepping
+        self.loggers.log_metrics(metrics, step, self.epoch)
 
     def request_stop(self, reason: str, status: str = "stopped") -> None:
         """Ask for the run to end (from any rank, any event). All ranks stop together at the
@@ -274,6 +279,7 @@ class Trainer:
         self.logged: dict[str, float] = {}  # the latest logged training metrics (rank 0)
         self._last_log_time = time.perf_counter()
         self._grad_norm: Optional[torch.Tensor] = None
+        self._stepping = 0  # 1 while on_before_optimizer_step runs (see log_metrics)
         self._first_step_pending = True
         self.divergence = Divergence(self.t.divergence_factor)
         self.agreement = Agreement(self.ctx.rank, self.ctx.world_size, self.device, self.divergence)
@@ -284,6 +290,10 @@ class Trainer:
         that ``metrics.json`` holds."""
         if resume_from is not None:
             self._load(resume_from)
+            if self.ctx.is_main:
+                # This attempt's record from here on: one that fails now is not taken for
+                # the earlier attempt's (completed) run.
+                write_metrics(self.run_dir, self._result())
         self._open_loggers()
         try:
             with strategies.debug_modes(self.t), contextlib.closing(self.beat):
@@ -421,7 +431,11 @@ class Trainer:
                 self._grad_norm = self.strategy.clip(self.params, clip)
             else:
                 self._grad_norm = self.strategy.grad_norm(self.params)
-        self.callbacks.fire("on_before_optimizer_step", self)
+        self._stepping = 1
+        try:
+            self.callbacks.fire("on_before_optimizer_step", self)
+        finally:
+            self._stepping = 0
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)

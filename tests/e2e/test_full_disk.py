@@ -1,0 +1,80 @@
+"""A disk that fills up during a run (a small tmpfs): one message that names the file and
+what to free, a ``failed`` record in metrics.json, the last checkpoint intact, and no
+"--- Logging error ---" traceback on the terminal, with one worker (in this process) as with
+two."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from helpers import read_metrics, run_cli, run_cli_in_process
+
+# A checkpoint of some 300 kB (the weights and SGD's momentum) against a few kB of logs.
+ARGS = ["data=synthetic", "data.shape=[64]", "data.num_classes=3", "data.num_samples=64",
+        "data.val_samples=16", "data.test_samples=16", "data.batch_size=16", "model=mlp",
+        "model.hidden=[512]", "optimizer.momentum=0.9", "trainer.progress_bar=false",
+        "trainer.test=false"]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs at ``tmp_path/disk`` and a function that shrinks it to what it holds plus
+    ``free`` bytes."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"mounting a tmpfs is not allowed here: {mounted.stderr.strip()}")
+
+    def shrink(free: int) -> None:
+        size = (shutil.disk_usage(disk).used + free) // 1024 + 4
+        subprocess.run(["mount", "-o", f"remount,size={size}k", str(disk)], check=True)
+
+    try:
+        yield disk, shrink
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def _a_run_then_a_full_disk(tmp_path, small_disk):
+    """A run of one epoch on the small disk, which then keeps room for half a checkpoint
+    only: the resumed run's first save cannot fit."""
+    disk, shrink = small_disk
+    run = disk / "run"
+    run_cli_in_process([*ARGS, "trainer.max_epochs=1", f"hydra.run.dir={run}"], tmp_path)
+    last = run / "checkpoints" / "last.pt"
+    shrink(last.stat().st_size // 2)
+    return run, last, last.read_bytes()
+
+
+def _check(res, run, last, before) -> None:
+    assert res.returncode != 0
+    message = f"no space left on the device that holds {last}. Free some space there"
+    assert res.output.count(message) == 1, res.output
+    assert "Logging error" not in res.output and "Traceback" not in res.output, res.output
+    metrics = read_metrics(run)
+    assert metrics["status"] == "failed" and message in metrics["error"]
+    assert last.read_bytes() == before  # the last checkpoint, whole
+    assert not [p for p in last.parent.iterdir() if ".tmp-" in p.name]
+
+
+def test_a_full_disk_under_one_worker(tmp_path, small_disk):
+    run, last, before = _a_run_then_a_full_disk(tmp_path, small_disk)
+    res = run_cli_in_process([*ARGS, "trainer.max_epochs=3", f"resume={run}"], tmp_path,
+                             expect_ok=False)
+    _check(res, run, last, before)
+
+
+@pytest.mark.slow
+def test_a_full_disk_under_two_workers(tmp_path, small_disk):
+    run, last, before = _a_run_then_a_full_disk(tmp_path, small_disk)
+    res = run_cli([*ARGS, "trainer.max_epochs=3", "trainer.procs=2", f"resume={run}"], tmp_path,
+                  expect_ok=False, timeout=180)
+    _check(res, run, last, before)
