@@ -18,7 +18,11 @@ Schema of a checkpoint (format 3; ``torch.load(weights_only=True)`` reads every 
     history      [{epoch, step, val/...}, ...] of every validation so far
     callbacks    {name: the callback's state_dict()}, e.g. callbacks/checkpoint's top-k
                  ranking, callbacks/early_stopping's counter
-    loggers      {name: the logger's state_dict()}, e.g. the MLflow run id
+    loggers      {name: the logger's state_dict() at its last acknowledged step}, e.g. the
+                 MLflow run id
+    logger_queues {name: {"acked_step": the last step the logger stored, "pending": the
+                 points queued after it, [[step, epoch, {name: value}], ...], sent again
+                 on resume, "lost": {"points", "steps"} it never stored}}
     ranks        one entry per rank: {"rng": generator states (torch, cuda, numpy, python),
                  "train_accum": {"names", "sums", "seen"} not yet logged}
     world_size   the world size that wrote it (``ranks`` has one entry per rank)
@@ -97,7 +101,7 @@ def gather(trainer: Trainer) -> Optional[dict]:
         "scaler": trainer.scaler.state_dict() if trainer.scaler.is_enabled() else None,
         **trainer.state.state_dict(),  # epoch, batch, step, best, metrics, history
         "callbacks": {name: cb.state_dict() for name, cb in trainer.callbacks},
-        "loggers": trainer.loggers.state_dict(),
+        **trainer.loggers.state_dict(),  # loggers, logger_queues
         "ranks": ranks,
         "world_size": trainer.world_size,
         # Samples per micro-batch over all ranks: where "batch" is in the epoch at another
@@ -168,7 +172,7 @@ def restore(trainer: Trainer, state: dict) -> None:
     batch = _batch_here(state, t.data.batch_size * t.world_size, is_main)
     t.state.load_state_dict({**state, "batch": batch})
     _hand_out("callbacks", dict(t.callbacks), callback_states(state), is_main)
-    t.loggers.load_state_dict(state.get("loggers") or {})
+    t.loggers.load_state_dict(state)
     ranks = state["ranks"]
     if state["world_size"] == t.world_size and len(ranks) == t.world_size:
         mine = ranks[t.rank]
