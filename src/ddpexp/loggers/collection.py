@@ -51,9 +51,13 @@ class Loggers(dict):
 
     def open(self, run: Any) -> None:
         """Start each logger's writer for ``run`` (a :class:`RunInfo`): it opens the logger
-        and hands it a fresh run's hyperparameters; returns at once."""
+        and hands it a fresh run's hyperparameters. Waits for those, before the first step,
+        at most each logger's ``flush_timeout_s``."""
+        since = time.monotonic()
         for writer in self._writers.values():
             writer.start(run)
+        for writer in self._writers.values():
+            writer.wait_open(since)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int, epoch: int) -> None:
         """Queue the points for every logger; never waits."""

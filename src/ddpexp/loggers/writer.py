@@ -139,6 +139,7 @@ class Writer:
         self._last_flush = clock()
         self._warned_at: Optional[float] = None
         self._thread: Optional[threading.Thread] = None
+        self._opened = threading.Event()
         self.lost = Losses()
 
     # ------------------------------------------------------------------ the loop's side
@@ -166,6 +167,13 @@ class Writer:
         self._thread = threading.Thread(target=self._run, args=(run,), daemon=True,
                                         name=THREAD_PREFIX + self.name)
         self._thread.start()
+
+    def wait_open(self, since: float) -> None:
+        """Wait until the thread has opened the logger, at most the logger's
+        ``flush_timeout_s`` after ``since`` (a ``time.monotonic()`` reading): a tracker's
+        set-up (imports, a database's schema check, its run and params) then does not compete
+        with the first steps for the CPU; one slower than that goes on beside them."""
+        self._opened.wait(max(0.0, since + float(self.logger.flush_timeout_s) - time.monotonic()))
 
     def put(self, metrics: Mapping[str, float], step: int, epoch: int) -> None:
         """Queue one point per name; never waits. A full queue drops its oldest calls."""
@@ -242,6 +250,8 @@ class Writer:
         else:
             with self._cond:
                 self._state = state
+        finally:
+            self._opened.set()
         while True:
             calls = self._take()
             if calls is None:
