@@ -42,6 +42,7 @@ sweeper in batches of ``max_parallel`` (how a batch sweeper such as hydra-optuna
     python scripts/bench.py --peers         # with Lightning, where it is installed
     python scripts/bench.py --gpu --peers   # the GPU cases (scripts/gpu_check.sh runs them)
     python scripts/bench.py --cases search  # the search case only (--quick: 4 short trials)
+    python scripts/bench.py --cases loggers # logger=tensorboard vs logger=[tensorboard,mlflow]
 """
 
 from __future__ import annotations
@@ -469,6 +470,44 @@ def _sweep_wall_s(output: str) -> float:
 
 
 # ---------------------------------------------------------------------- the fsdp case
+LOGGERS = "loggers"
+# The loggers case's variants: the default logger alone, and with a tracker beside it.
+LOGGER_VARIANTS = {"tensorboard": "logger=tensorboard",
+                   "tensorboard+mlflow": "logger=[tensorboard,mlflow]"}
+
+
+def loggers_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str:
+    """What a tracker costs the loop per step: the overhead case's loop through ddpexp with
+    ``logger=tensorboard`` and with ``logger=[tensorboard,mlflow]`` (the default SQLite store,
+    in the bench's temp dir), logging every 10 steps, alternating which goes first; samples/s
+    as the other cases measure it, and the median of the paired ratios."""
+    if quick:
+        case = Case(LOGGERS, "mlp", 32, steps=12, warmup=2, procs=1, shape=(3, 8, 8))
+    else:
+        case = Case(LOGGERS, "mlp", 32, steps=400, warmup=10)
+    rates: dict[str, list[float]] = {name: [] for name in LOGGER_VARIANTS}
+    with tempfile.TemporaryDirectory(prefix="ddpexp-bench-") as tmp:
+        work = Path(tmp)
+        for r in range(repeats):
+            names = list(LOGGER_VARIANTS)
+            for name in names if r % 2 == 0 else names[::-1]:
+                out = work / f"{name}-{r}"
+                cmd = [sys.executable, "-m", "ddpexp", *case.ddpexp_args(), LOGGER_VARIANTS[name],
+                       f"hydra.run.dir={out}"]
+                run_command(cmd, work, env, timeout)
+                rate = steady_rate(_scalars(out / "tb").get("train/samples_per_s", []), case.warmup)
+                rates[name].append(rate or float("nan"))
+                print(f"[{r + 1}/{repeats}] loggers  {name:18s} samples/s {_fmt(rate, 0)}",
+                      file=sys.stderr, flush=True)
+    base = rates["tensorboard"]
+    lines = [f"loggers: {describe(case)}, {repeats} round(s), medians", "",
+             "| logger | samples/s | ratio to tensorboard (paired) |", "|---|---|---|"]
+    for name, values in rates.items():
+        ratio = statistics.median(v / b for v, b in zip(values, base, strict=True))
+        lines.append(f"| {LOGGER_VARIANTS[name]} | {statistics.median(values):.0f} | {ratio:.3f} |")
+    return "\n".join(lines)
+
+
 FSDP = "fsdp"
 
 
@@ -595,7 +634,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--cases", nargs="+", default=None,
                    help="a subset of: overhead compute startup sweep search (--quick runs search "
                         "only when named; with --gpu: gpu-fp32 gpu-bf16 gpu-dp gpu-fsdp gpu-compile; fsdp: "
-                        "the memory case, only when named)")
+                        "the memory case, loggers: a tracker's cost per step, each only when named)")
     p.add_argument("--peers", action="store_true",
                    help="add Lightning (scripts/lightning_ddp.py) where it is installed")
     p.add_argument("--gpu", action="store_true", help="the GPU cases instead of the CPU ones")
@@ -613,7 +652,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     repeats = args.repeats or (1 if args.quick or args.dry_run else 3)
     skipped: list[str] = []
-    with_search = with_fsdp = False
+    with_search = with_fsdp = with_loggers = False
     if args.gpu:
         cases, skipped = gpu_cases(args.dry_run, args.cases)
         if not args.dry_run:
@@ -625,7 +664,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     else:
         with_search = SEARCH in (args.cases or ([] if args.quick else [SEARCH]))
         with_fsdp = FSDP in (args.cases or [])
-        others = [c for c in args.cases or [] if c not in (SEARCH, FSDP)]
+        with_loggers = LOGGERS in (args.cases or [])
+        others = [c for c in args.cases or [] if c not in (SEARCH, FSDP, LOGGERS)]
         cases = make_cases(args.quick, others or None) if others or not args.cases else []
     peers = args.peers and lightning_installed()
     if args.peers and not peers:
@@ -664,6 +704,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     if with_fsdp:
         print()
         print(fsdp_bench(args.quick, repeats, env, args.timeout))
+    if with_loggers:
+        print()
+        print(loggers_bench(args.quick, repeats, env, args.timeout))
     if args.json:
         Path(args.json).write_text(json.dumps(
             {f"{c}/{r}": [vars(x) for x in runs] for (c, r), runs in res.runs.items()}, indent=2))

@@ -31,7 +31,7 @@ def test_gather_schema_before_training(trainer_factory, tmp_path):
     s = state.gather(t)
     assert s["format"] == state.FORMAT == 3
     assert set(s) == {"format", "model", "optimizer", "scheduler", "scaler", "epoch", "batch",
-                      "step", "best", "metrics", "history", "callbacks", "loggers", "ranks",
+                      "step", "best", "metrics", "history", "callbacks", "loggers", "logger_queues", "ranks",
                       "world_size", "global_batch", "config"}
     assert (s["epoch"], s["batch"], s["step"], s["world_size"], s["global_batch"]) == (0, 0, 0, 1, 8)
     assert s["best"] == {"metric": "val/acc", "value": None, "epoch": None}

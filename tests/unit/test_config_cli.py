@@ -25,6 +25,17 @@ def test_known_and_nested_trainer_keys_pass():
     assert cli.unknown_trainer_keys(["trainer.gpus=1", "trainer.fsdp.wrap=[A]", "trainer.max_epochs"]) is None
 
 
+def test_a_group_list_with_a_typo_names_the_options_there_are():
+    text = cli.preflight(["logger=[tensorboard,mlfow]"])
+    assert text == ("logger=[tensorboard,mlfow]: logger has no option 'mlfow'; did you mean "
+                    "mlflow? (logger options: csv, mlflow, tensorboard)")
+    assert cli.unknown_group_options(["-m", "logger=[csv,zzz]", "optimizer.lr=1,2"]) == (
+        "logger=[csv,zzz]: logger has no option 'zzz' (logger options: csv, mlflow, tensorboard)")
+    for fine in (["logger=[tensorboard,mlflow]"], ["logger=csv"], ["model=mlp"], ["logger=[]"],
+                 ["logger=[mine]", "hydra.searchpath=[file://conf]"]):
+        assert cli.unknown_group_options(fine) is None, fine
+
+
 def test_command_line_values_typed_and_unquoted():
     values = cli.command_line_values([
         "-m", 'hydra.run.dir="outputs/my run"', "trainer.max_epochs=3", "resume=null",

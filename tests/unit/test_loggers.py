@@ -81,9 +81,12 @@ def test_logger_group_composes_as_a_dict_by_name(config):
     assert config["logger"]["mlflow"] == {
         "_target_": "ddpexp.loggers.MLflowLogger", "tracking_uri": None,
         "experiment_name": "ddpexp", "run_name": None, "flush_every_points": 1000,
-        "flush_every_s": 10}
-    built = build_loggers(config["logger"])
+        "flush_every_s": 10, "flush_timeout_s": 30}
+    built = build_loggers({**config["logger"], "csv": {**config["logger"]["csv"],
+                                                       "flush_timeout_s": 2.5}})
     assert [type(v) for v in built.values()] == [TensorBoardLogger, CSVLogger, MLflowLogger]
+    # The writer's key is set on the built logger, not passed to its constructor.
+    assert [v.flush_timeout_s for v in built.values()] == [30.0, 2.5, 30.0]
     assert list(compose_single_process([])["logger"]) == ["tensorboard"]
     assert compose_single_process(["~logger"])["logger"] == {}
     own = compose_single_process(["logger=csv", f"+logger.mine._target_={__name__}.RecordingLogger",
@@ -102,6 +105,8 @@ def test_logger_group_composes_as_a_dict_by_name(config):
      r"logger\.tb \(ddpexp\.loggers\.TensorBoardLogger\) could not be built: .*flush_sec"),
     ("mlflow", {"_target_": "ddpexp.loggers.MLflowLogger", "flush_every_points": 0},
      r"logger\.mlflow: flush_every_points=0 must be"),
+    ("csv", {"_target_": "ddpexp.loggers.CSVLogger", "flush_timeout_s": -1},
+     r"logger\.csv\.flush_timeout_s=-1 must be a number of seconds >= 0"),
 ])
 def test_a_bad_entry_is_one_config_error_naming_it(name, node, match):
     entries = {"tensorboard": {"_target_": "ddpexp.loggers.TensorBoardLogger"}, name: node}
@@ -300,3 +305,21 @@ def test_mlflow_resume_without_saved_state_finds_the_run_by_its_dir(tmp_path, co
     assert second.run_id == first.run_id
     steps = sorted(m.step for m in _mlflow_client(root).get_metric_history(first.run_id, "lr"))
     assert steps == list(range(1, 7))
+
+
+def test_a_refused_sweep_job_is_one_failed_mlflow_run_with_its_error(tmp_path, config):
+    from ddpexp.loggers import record_refusal
+
+    root = tmp_path / "outputs"
+    job = root / "multirun/2026-12-01/10-20-00/3"
+    job.mkdir(parents=True)
+    record_refusal({"mlflow": config["logger"]["mlflow"], "csv": config["logger"]["csv"]}, job,
+                   config, {"trainer.gpus": 4}, "trainer.gpus=4 but 0 GPU(s) are visible")
+    (run,) = _mlflow_client(root).search_runs(
+        [_mlflow_client(root).get_experiment_by_name("ddpexp").experiment_id])
+    assert run.info.status == "FAILED" and run.info.run_name == "multirun/2026-12-01/10-20-00/3"
+    assert run.data.tags["ddpexp.status"] == "failed"
+    assert run.data.tags["ddpexp.error"] == "trainer.gpus=4 but 0 GPU(s) are visible"
+    assert run.data.tags["ddpexp.run_dir"] == str(job)
+    assert run.data.params["trainer.max_epochs"] == str(config["trainer"]["max_epochs"])
+    assert not (job / "metrics.csv").exists()  # the csv logger records nothing of it

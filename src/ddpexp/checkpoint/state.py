@@ -19,7 +19,11 @@ Schema of a checkpoint (format 3; ``torch.load(weights_only=True)`` reads every 
     callbacks    {name: the callback's state_dict()}, e.g. callbacks/checkpoint's top-k
                  ranking, callbacks/early_stopping's counter; numpy arrays and scalars in
                  it as tagged tensors (:mod:`ddpexp.checkpoint.portable`)
-    loggers      {name: the logger's state_dict()}, e.g. the MLflow run id
+    loggers      {name: the logger's state_dict() at its last acknowledged step}, e.g. the
+                 MLflow run id
+    logger_queues {name: {"acked_step": the last step the logger stored, "pending": the
+                 points queued after it, [[step, epoch, {name: value}], ...], sent again
+                 on resume, "lost": {"points", "steps"} it never stored}}
     ranks        one entry per rank: {"rng": generator states (torch, cuda, numpy, python),
                  "train_accum": {"names", "sums", "seen"} not yet logged}
     world_size   the world size that wrote it (``ranks`` has one entry per rank)
@@ -100,7 +104,7 @@ def gather(trainer: Trainer) -> Optional[dict]:
         **trainer.state.state_dict(),  # epoch, batch, step, best, metrics, history
         "callbacks": {name: portable.encode(cb.state_dict(), f"callbacks.{name}")
                       for name, cb in trainer.callbacks},
-        "loggers": trainer.loggers.state_dict(),
+        **trainer.loggers.state_dict(),  # loggers, logger_queues
         "ranks": ranks,
         "world_size": trainer.world_size,
         # Samples per micro-batch over all ranks: where "batch" is in the epoch at another
@@ -171,7 +175,7 @@ def restore(trainer: Trainer, state: dict) -> None:
     batch = _batch_here(state, t.data.batch_size * t.world_size, is_main)
     t.state.load_state_dict({**state, "batch": batch})
     _hand_out("callbacks", dict(t.callbacks), callback_states(state), is_main)
-    t.loggers.load_state_dict(state.get("loggers") or {})
+    t.loggers.load_state_dict(state)
     ranks = state["ranks"]
     if state["world_size"] == t.world_size and len(ranks) == t.world_size:
         mine = ranks[t.rank]

@@ -1,6 +1,7 @@
-"""The command line before Hydra reads it: trainer-key typos, a run dir that already holds
-a run, ``resume=`` paths, and overrides quoted back for a printed command (the command that
-continues a run, :func:`resume_command`)."""
+"""The command line before Hydra reads it: trainer-key typos, entry typos under
+``callbacks.*`` and ``logger.*``, a group's list naming an option it does not have, a run dir
+that already holds a run, ``resume=`` paths, and overrides quoted back for a printed command
+(the command that continues a run, :func:`resume_command`)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,45 @@ def unknown_trainer_keys(args: list[str]) -> Optional[str]:
         return None
     return ("unknown trainer key " + "; ".join(problems)
             + f"\n(trainer keys: {', '.join(known)})")
+
+
+def unknown_group_options(args: list[str]) -> Optional[str]:
+    """A message for a list of options of one of ddpexp's config groups
+    (``logger=[tensorboard,mlfow]``) that names one the group does not have, with the
+    closest and the options there are. Hydra lists the options for a single wrong one, but
+    for a list says only "Could not load 'logger/mlfow'". Not checked where the command line
+    adds a config dir of its own (which may hold more options)."""
+    if any(a.startswith(("hydra.searchpath", "--config-dir", "-cd", "--config-path", "-cp"))
+           for a in args):
+        return None
+    parser = OverridesParser.create()
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        try:
+            override = parser.parse_override(arg)
+        except HydraException:
+            continue
+        group, value = override.key_or_group, override.value()
+        options = _group_options(group)
+        if not options or not isinstance(value, list):
+            continue
+        for name in value:
+            if str(name) not in options:
+                close = difflib.get_close_matches(str(name), options, n=1)
+                hint = f"; did you mean {close[0]}?" if close else ""
+                return (f"{arg}: {group} has no option {name!r}{hint} "
+                        f"({group} options: {', '.join(options)})")
+    return None
+
+
+def _group_options(group: str) -> list[str]:
+    """The options of ddpexp's own config group ``group`` (its YAML files), or [] for a
+    name that is no such group."""
+    if not re.fullmatch(r"[a-z_]+", group):
+        return []
+    folder = Path(__file__).resolve().parents[1] / "conf" / group
+    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
 
 
 # The groups composed as dicts of entries by name.
@@ -216,9 +256,10 @@ def continue_sweep(sweep_dir: Path | str) -> str:
 
 def preflight(args: list[str]) -> Optional[str]:
     """Checks of the command line that must happen before Hydra claims a run dir: trainer,
-    callbacks and logger key typos, a run dir that already holds a run, and a ``resume=`` path that does not
-    exist (which would otherwise leave an empty new run dir behind its error)."""
-    typo = unknown_trainer_keys(args) or unknown_entry_keys(args)
+    callbacks and logger key typos, an option missing from a group's list, a run dir that
+    already holds a run, and a ``resume=`` path that does not exist (which would otherwise
+    leave an empty new run dir behind its error)."""
+    typo = unknown_trainer_keys(args) or unknown_group_options(args) or unknown_entry_keys(args)
     if typo:
         return typo
     taken = run_dir_conflict(args)

@@ -17,7 +17,7 @@ import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -112,21 +112,15 @@ def overrides_as_hparams(overrides: list[str]) -> dict[str, Any]:
     return out
 
 
-@guard_run
-def run(cfg: DictConfig) -> Optional[float]:
-    """The task function's body: run one experiment and return its monitored metric."""
+def _prepare(cfg: DictConfig, hydra_cfg: Any, run_dir: Path,
+             world: Optional[World]) -> tuple[Plan, Any, Optional[Path]]:
+    """Check the run and lay it out: its plan, the workers' payload and the checkpoint it
+    resumes from (None: a fresh start). Raises the DdpexpError that refuses it."""
     # torch and the trainer: imported by a run, not by every importer of this module.
     from ddpexp.checkpoint import io as checkpoint
     from ddpexp.launch.worker import WorkerPayload
 
-    started = run_started()
     validate(cfg)
-    hydra_cfg = HydraConfig.get()
-    run_dir = Path(hydra_cfg.runtime.output_dir)
-    world = detect()
-    if world is not None and world.rank > 0:
-        # A task of a submitit job with several tasks runs this too; rank 0 speaks for all.
-        log.setLevel(logging.WARNING)
     plan = world_plan(cfg.trainer, world) if world is not None else plan_run(cfg.trainer)
     check_resources(plan)
     try:
@@ -153,6 +147,43 @@ def run(cfg: DictConfig) -> Optional[float]:
         resume_from=str(resume) if resume else None,
         hparams=overrides_as_hparams(list(hydra_cfg.overrides.task)),
     )
+    return plan, payload, resume
+
+
+def _record_refusal(cfg: DictConfig, run_dir: Path, exc: BaseException) -> None:
+    """A sweep job refused before training leaves its mark where its trainings are recorded
+    (an MLflow run marked FAILED, its error as a tag): see
+    :func:`ddpexp.loggers.record_refusal`."""
+    from omegaconf import OmegaConf
+
+    from ddpexp.loggers import StoreRefused, record_refusal
+
+    if isinstance(exc, StoreRefused):  # the store itself is what cannot be used
+        return
+    try:
+        config = cast(dict, OmegaConf.to_container(cfg, resolve=True))
+    except OmegaConfBaseException:
+        config = cast(dict, OmegaConf.to_container(cfg, resolve=False))
+    hparams = overrides_as_hparams(list(HydraConfig.get().overrides.task))
+    record_refusal(config.get("logger") or {}, run_dir, config, hparams, str(exc))
+
+
+@guard_run
+def run(cfg: DictConfig) -> Optional[float]:
+    """The task function's body: run one experiment and return its monitored metric."""
+    started = run_started()
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    world = detect()
+    if world is not None and world.rank > 0:
+        # A task of a submitit job with several tasks runs this too; rank 0 speaks for all.
+        log.setLevel(logging.WARNING)
+    try:
+        plan, payload, resume = _prepare(cfg, hydra_cfg, run_dir, world)
+    except DdpexpError as exc:
+        if hydra_cfg.mode == RunMode.MULTIRUN and (world is None or world.rank == 0):
+            _record_refusal(cfg, run_dir, exc)
+        raise
     log.info("run dir: %s", run_dir)
     log.info("%d worker(s)%s: strategy=%s, %s", plan.world_size,
              f" ({world.label})" if world is not None else "", plan.strategy,

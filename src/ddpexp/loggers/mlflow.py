@@ -5,9 +5,12 @@ It talks to the store through ``MlflowClient`` only (no ``mlflow.start_run`` pro
 The default store is a SQLite file, ``mlflow.db`` in the outputs root, shared by every run and
 sweep job: :meth:`MLflowLogger.prepare` creates its schema and the experiment once, in the
 launching process, and every database call retries while SQLite reports the database locked,
-so jobs running at once share it safely. Points are buffered and sent in batches (and at every
-checkpoint, so what a checkpoint covers is stored before a resume can rely on it). A resumed
-session continues the same MLflow run and drops re-logged points it already stored.
+so jobs running at once share it safely. A store that cannot be used (a server that does not
+answer, a database path that is missing, read-only or under a file) is refused there, in
+seconds, naming ``logger.<name>.tracking_uri``. Points reach the logger from its writer
+thread (:mod:`ddpexp.loggers.writer`), which hands them over in batches; :meth:`flush` sends
+them. A resumed session continues the same MLflow run and drops re-logged points it already
+stored.
 
 mlflow is an optional dependency (``pip install -e ".[mlflow]"``), imported only when this
 logger is built.
@@ -29,7 +32,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, TypeVar, cast
 from urllib.parse import quote
 
 from ddpexp.errors import ConfigError
-from ddpexp.loggers.base import SUCCESS_STATUSES, Logger, RunInfo
+from ddpexp.loggers.base import SUCCESS_STATUSES, Logger, RunInfo, StoreRefused
 
 try:
     import fcntl
@@ -42,9 +45,14 @@ DEFAULT_EXPERIMENT = "ddpexp"
 DB_NAME = "mlflow.db"
 # How long a call keeps retrying while SQLite says the database is locked.
 LOCK_RETRY_S = 60.0
+# What prepare() allows a tracking server before refusing it: one try of 15 s per request (a
+# loaded server may take seconds to answer its first one; the first that fails ends it); MLflow's
+# own defaults, 7 retries with backoff and 120 s timeouts, take minutes and log every retry.
+PREPARE_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
 STATUS_TAG = "ddpexp.status"
 BEST_TAG = "ddpexp.best_checkpoint"
 RUN_DIR_TAG = "ddpexp.run_dir"
+ERROR_TAG = "ddpexp.error"
 
 T = TypeVar("T")
 
@@ -128,6 +136,53 @@ def _sqlite_path(uri: str) -> Optional[Path]:
         return None
     path = uri[len("sqlite:///"):].split("?", 1)[0]
     return Path(path) if path and path != ":memory:" else None
+
+
+def _path_problem(db: Path) -> Optional[str]:
+    """Why a SQLite database cannot be at ``db`` (missing dir, a dir under a file, a file
+    or dir this process cannot write), or None."""
+    db = db.expanduser().absolute()
+    if db.is_dir():
+        return f"{db} is a directory, not a database file"
+    parent = db.parent
+    for above in (parent, *parent.parents):
+        if above.exists() and not above.is_dir():
+            return f"{db} is under {above}, which is a file"
+        if above.exists():
+            break
+    if not parent.is_dir():
+        return f"the directory {parent} does not exist; create it or pick another path"
+    try:  # SQLite writes its journal next to the database
+        tempfile.TemporaryFile(dir=parent).close()
+    except OSError as exc:
+        return f"cannot write in {parent} ({exc.strerror or exc})"
+    if db.exists():
+        try:
+            with contextlib.closing(sqlite3.connect(str(db), timeout=1)) as con:
+                con.execute("BEGIN IMMEDIATE")
+                con.rollback()
+        except sqlite3.OperationalError as exc:
+            if not _is_lock_error(exc):  # locked: another job writes it, which is fine
+                return f"cannot write {db} ({exc})"
+        except sqlite3.DatabaseError as exc:
+            return f"{db} is not an SQLite database ({exc})"
+    return None
+
+
+@contextlib.contextmanager
+def _patient_once() -> Iterator[None]:
+    """MLflow's HTTP client with :data:`PREPARE_ENV` for the calls inside (it reads them per
+    request), the variables as they were afterwards."""
+    before = {key: os.environ.get(key) for key in PREPARE_ENV}
+    os.environ.update(PREPARE_ENV)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _store_ready(db: Path) -> bool:
@@ -218,8 +273,8 @@ class MLflowLogger(Logger):
 
     ``tracking_uri``: any MLflow tracking URI; ``None`` = ``sqlite:///<outputs root>/mlflow.db``.
     ``run_name``: ``None`` = the run's display name (its dir under the outputs root).
-    Points go to the store in batches when ``flush_every_points`` are waiting or
-    ``flush_every_s`` seconds after the last batch, at every checkpoint and at the end.
+    Points go to the store in batches: the writer hands them over when ``flush_every_points``
+    are waiting or ``flush_every_s`` seconds after the last batch, and at the end.
     """
 
     def __init__(self, tracking_uri: Optional[str] = None,
@@ -245,7 +300,6 @@ class MLflowLogger(Logger):
         self._client: Any = None
         self._run_dir: Optional[Path] = None
         self._buffer: list = []
-        self._last_flush = time.monotonic()
         # The last step stored for each key before this session (resume): re-logged points
         # at or before it are dropped.
         self._stored_steps: dict[str, int] = {}
@@ -255,20 +309,55 @@ class MLflowLogger(Logger):
 
     @classmethod
     def prepare(cls, node: dict, outputs_root: Path) -> None:
-        """Create the store's schema and the experiment before any job opens it."""
-        uri = node.get("tracking_uri") or default_tracking_uri(outputs_root)
-        _open_store(uri, node.get("experiment_name") or DEFAULT_EXPERIMENT)
+        """Create the store's schema and the experiment before any job opens it; a store that
+        cannot be used is refused in seconds (:class:`StoreRefused` naming ``tracking_uri``)."""
+        given = node.get("tracking_uri")
+        uri = given or default_tracking_uri(outputs_root)
+        shown = uri if given else f"null ({uri})"
+        db = _sqlite_path(uri)
+        if db is not None and not given:  # the default store's dir is ddpexp's own to make
+            db.parent.mkdir(parents=True, exist_ok=True)
+        problem = _path_problem(db) if db is not None else None
+        if problem:
+            raise StoreRefused("tracking_uri", shown, problem)
+        try:
+            with _patient_once():
+                _open_store(uri, node.get("experiment_name") or DEFAULT_EXPERIMENT)
+        except ConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever MLflow raises, the store is unusable
+            what = ("the tracking server does not answer"
+                    if uri.startswith(("http://", "https://")) else "the store cannot be opened")
+            text = " ".join(str(exc).split())
+            raise StoreRefused("tracking_uri", shown,
+                               f"{what} ({type(exc).__name__}: {text[:300]})") from None
+
+    @classmethod
+    def record_refusal(cls, node: dict, run: RunInfo, error: str) -> None:
+        """One MLflow run for the refused job: its config as params, tagged with its run dir,
+        status ``failed`` and the error (``ddpexp.error``), ended as FAILED."""
+        from mlflow.utils.validation import MAX_TAG_VAL_LENGTH
+
+        uri = node.get("tracking_uri") or default_tracking_uri(run.outputs_root)
+        with _patient_once():
+            client, experiment_id = _open_store(uri, node.get("experiment_name") or DEFAULT_EXPERIMENT)
+            tags = {RUN_DIR_TAG: str(run.run_dir), STATUS_TAG: "failed",
+                    ERROR_TAG: error[:MAX_TAG_VAL_LENGTH]}
+            created = retry(client.create_run, experiment_id, tags=tags,
+                            run_name=node.get("run_name") or run.name)
+            logger = cls()
+            logger._client, logger.run_id = client, created.info.run_id
+            logger._log_params(flatten_params(run.config))
+            retry(client.set_terminated, created.info.run_id, status="FAILED")
 
     def load_state_dict(self, state: dict) -> None:
         """The MLflow run id (and store) the checkpointed session wrote to."""
         self._saved = dict(state or {})
 
     def state_dict(self) -> dict:
-        """The run id and store; sends the waiting points first, so everything up to this
-        checkpoint is stored."""
+        """The run id and store."""
         if self.run_id is None:
             return dict(self._saved)
-        self.flush()
         return {"run_id": self.run_id, "tracking_uri": self._uri}
 
     def open(self, run: RunInfo) -> None:
@@ -277,7 +366,6 @@ class MLflowLogger(Logger):
         self._uri = self.tracking_uri or default_tracking_uri(run.outputs_root)
         self._run_dir = Path(run.run_dir)
         self._client, experiment_id = _open_store(self._uri, self.experiment_name)
-        self._last_flush = time.monotonic()
         if run.resumed:
             run_id = self._saved.get("run_id") or self._find_run(experiment_id, run.run_dir)
             if self._continue(run_id):
@@ -361,7 +449,7 @@ class MLflowLogger(Logger):
 
     def log_metrics(self, metrics: Mapping[str, float], step: int, epoch: int) -> None:
         """Buffer one point per name at ``step`` (MLflow has no epoch axis; the trainer logs
-        ``epoch`` as a metric); send the buffer when it is full or due."""
+        ``epoch`` as a metric) for :meth:`flush`."""
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
@@ -369,24 +457,21 @@ class MLflowLogger(Logger):
             if step <= self._stored_steps.get(key, -1) or not self._accepts(key, "metric"):
                 continue
             self._buffer.append(Metric(key, float(value), now, int(step)))
-        if len(self._buffer) >= self.flush_every_points \
-                or time.monotonic() - self._last_flush >= self.flush_every_s:
-            self.flush()
 
     def flush(self) -> None:
-        """Send the waiting points, in batches of MLflow's limit."""
+        """Send the buffered points, in batches of MLflow's limit. A batch that fails costs
+        the whole buffer (the writer counts those points as lost): nothing is sent twice."""
         from mlflow.utils.validation import MAX_METRICS_PER_BATCH
 
-        while self._buffer:
-            chunk = self._buffer[:MAX_METRICS_PER_BATCH]
+        buffer, self._buffer = self._buffer, []
+        for chunk in _chunks(buffer, MAX_METRICS_PER_BATCH):
             retry(self._client.log_batch, self.run_id, metrics=chunk)
-            del self._buffer[:len(chunk)]
-        self._last_flush = time.monotonic()
 
     def finalize(self, status: str) -> None:
-        """Send the waiting points, tag the status (and best.pt's path), end the run. Each
-        step is tried even when one before failed: a failure is logged as a warning, since
-        the tracker's trouble must not change how the run ends."""
+        """Send the buffered points, then tag the status (and best.pt's path) and end the
+        run, in that order: the run is ended only once its status tag says how, so the two
+        never disagree. A failure is a warning: the tracker's trouble must not change how the
+        run ends."""
         if self._finalized or self.run_id is None:
             self._finalized = True
             return
@@ -395,18 +480,17 @@ class MLflowLogger(Logger):
         best = cast(Path, self._run_dir) / "checkpoints" / "best.pt"  # set with run_id
         if best.exists():
             tags[BEST_TAG] = str(best.resolve())
-        steps = (
-            ("send the last metric points", self.flush),
-            ("tag the status", lambda: self._set_tags(tags)),
-            ("end the run", lambda: retry(self._client.set_terminated, self.run_id,
-                                          status=end_state(status))),
-        )
-        for what, step in steps:
-            try:
-                step()
-            except Exception as exc:  # noqa: BLE001 - reported, the run's outcome stands
-                log.warning("logger.mlflow: could not %s of MLflow run %s: %s",
-                            what, self.run_id, exc)
+        try:
+            self.flush()
+        except Exception as exc:  # noqa: BLE001 - reported, the run's outcome stands
+            log.warning("logger.mlflow: could not send the last metric points of MLflow run "
+                        "%s: %s", self.run_id, exc)
+        try:
+            self._set_tags(tags)
+            retry(self._client.set_terminated, self.run_id, status=end_state(status))
+        except Exception as exc:  # noqa: BLE001 - reported, the run's outcome stands
+            log.warning("logger.mlflow: could not end MLflow run %s as %s: %s",
+                        self.run_id, status, exc)
 
     def _set_tags(self, tags: Mapping[str, str]) -> None:
         from mlflow.entities import RunTag

@@ -60,6 +60,11 @@ class TensorBoardLogger(Logger):
         for tag, value in metrics.items():
             self.writer.add_scalar(tag, value, step)
 
+    def flush(self) -> None:
+        """Write the events logged so far to the event file."""
+        if self.writer is not None:
+            self.writer.flush()
+
     def finalize(self, status: str) -> None:
         """Close the HParams session with the run's status, then the event file."""
         if self.writer is None:

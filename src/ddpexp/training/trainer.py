@@ -310,9 +310,14 @@ class Trainer:
             raise
         result = self._result()
         self.callbacks.fire("on_fit_end", self, result)
+        # The loggers finish first (each within its flush_timeout_s), so that metrics.json can
+        # list the points a tracker lost.
+        self.loggers.finalize(self.status)
+        lost = self.loggers.lost()
+        if lost:
+            result["lost_points"] = lost
         if self.ctx.is_main:
             write_metrics(self.run_dir, result)
-        self.loggers.finalize(self.status)
         return result
 
     def _loop(self) -> None:
