@@ -93,7 +93,7 @@ def _job_lines(sweep_dir: Path) -> dict[str, re.Match]:
 
 
 def test_jobs_are_forked_each_in_its_own_process_and_group(workdir: Path) -> None:
-    """Both jobs come from one pre-imported server, each its own process leading its own
+    """Jobs come from one pre-imported server, each its own process leading its own
     process group, and one config (0.1 and 0.10 are the same lr) on equal slices trains
     bitwise the same weights."""
     import torch

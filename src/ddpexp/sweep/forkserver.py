@@ -54,10 +54,10 @@ PRELOAD = (
     "ddpexp.data.sources",
     "ddpexp.loggers",
 )
+# How long a sweep waits at its start for the server's imports before its jobs start afresh.
+READY_TIMEOUT_S = 120.0
 # In a forked job process: the pid of the server it was forked from (None elsewhere).
 FORKED_FROM: Optional[int] = None
-# How long the launcher waits for the server's imports before it starts the job without it.
-READY_TIMEOUT_S = 120.0
 
 
 def native_threads() -> int:
@@ -234,6 +234,19 @@ class ForkServer:
                                         name="ddpexp-forkserver", daemon=True)
         self._reader.start()
 
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """Wait until the server has imported (the sweep's first jobs then fork too rather
+        than each importing alongside it); past ``timeout``, jobs start afresh."""
+        if self.broken is not None or self._to_server is None:
+            return
+        with self._lock:
+            ready = self._lock.wait_for(lambda: self._ready is not None, timeout)
+            message = self._ready
+        if not ready:
+            self._give_up(f"the fork server was not ready after {timeout:.0f} s")
+        elif message is not None and "failed" in message:
+            self._give_up(message["failed"])
+
     def _read(self, fd: int) -> None:
         with os.fdopen(fd, "r") as replies:
             for line in replies:
@@ -263,13 +276,8 @@ class ForkServer:
         if self.broken is not None or self._to_server is None:
             return None
         with self._lock:
-            if not self._lock.wait_for(lambda: self._ready is not None, READY_TIMEOUT_S):
-                self._give_up(f"the fork server was not ready after {READY_TIMEOUT_S:.0f} s")
-                return None
-            ready = self._ready
-            if ready is not None and "failed" in ready:
-                self._give_up(ready["failed"])
-                return None
+            if self._ready is None or "failed" in self._ready:
+                return None  # not ready (wait_ready gave up): a fresh interpreter
             self._next_id += 1
             request_id = self._next_id
         request = {"id": request_id, "spec": str(spec), "result": str(result), "env": env,

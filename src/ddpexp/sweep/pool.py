@@ -253,6 +253,7 @@ class Pool:
         if getattr(self.launcher, "fork", True):
             self._server = ForkServer(getattr(self.launcher, "preload", None) or ())
             self._server.start()
+            self._server.wait_ready()
         self._signals.__enter__()
         return self
 
