@@ -25,6 +25,7 @@ import csv
 import io
 import json
 import logging
+import os
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field, fields
@@ -333,13 +334,21 @@ def write_summary(directory: Path, rows: Sequence[Row]) -> tuple[Path, Path]:
     (one row per configuration); returns the paths of the first two."""
     directory = Path(directory)
     csv_path, md_path = directory / "summary.csv", directory / "summary.md"
-    csv_path.write_text(format_rows(rows, "csv"))
-    md_path.write_text(format_rows(rows, "md"))
+    _replace(csv_path, format_rows(rows, "csv"))
+    _replace(md_path, format_rows(rows, "md"))
     if varies_seed(rows):
         groups = group_seeds(rows)
-        (directory / "summary_by_seed.csv").write_text(format_groups(groups, "csv"))
-        (directory / "summary_by_seed.md").write_text(format_groups(groups, "md"))
+        _replace(directory / "summary_by_seed.csv", format_groups(groups, "csv"))
+        _replace(directory / "summary_by_seed.md", format_groups(groups, "md"))
     return csv_path, md_path
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all: the table is rewritten as each job ends, and a
+    launcher killed mid-write must leave the previous table."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 class SweepSummary(Callback):

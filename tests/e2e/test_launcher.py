@@ -79,6 +79,58 @@ def test_2x2_sweep_of_ddp_runs(workdir: Path) -> None:
     assert "best val/acc" in res.stdout and res.stdout.count("completed  ") >= 4
 
 
+JOB_LINE = re.compile(r"job (\d+): pid (\d+), .*process group (\d+), "
+                      r"(forked from the fork server \(pid (\d+)\)|a fresh interpreter)")
+
+
+def _job_lines(sweep_dir: Path) -> dict[str, re.Match]:
+    found = {}
+    for d in job_dirs(sweep_dir):
+        match = JOB_LINE.search((d / "ddpexp.log").read_text())
+        assert match, (d / "ddpexp.log").read_text()
+        found[d.name] = match
+    return found
+
+
+def test_jobs_are_forked_each_in_its_own_process_and_group(workdir: Path) -> None:
+    """Jobs come from one pre-imported server, each its own process leading its own
+    process group, and one config (0.1 and 0.10 are the same lr) on equal slices trains
+    bitwise the same weights."""
+    import torch
+
+    from helpers import assert_same_tensors
+
+    _, sweep_dir = sweep(workdir, "optimizer.lr=0.1,0.10")
+    lines = _job_lines(sweep_dir)
+    pids = {m.group(2) for m in lines.values()}
+    assert len(pids) == 2
+    for m in lines.values():
+        assert m.group(3) == m.group(2), "a job leads its own process group"
+        assert m.group(5), f"job {m.group(1)} was not forked: {m.group(0)}"
+    servers = {m.group(5) for m in lines.values()}
+    assert len(servers) == 1 and not pids & servers
+    weights = [torch.load(sweep_dir / j / "checkpoints" / "last.pt", weights_only=True)["model"]
+               for j in ("0", "1")]
+    assert_same_tensors(weights[0], weights[1], "model")
+    assert read_metrics(sweep_dir / "0")["history"] == read_metrics(sweep_dir / "1")["history"]
+
+
+PRELOAD_WITH_A_THREAD = """import threading, time
+threading.Thread(target=time.sleep, args=(600,), daemon=True, name="user-thread").start()
+"""
+
+
+def test_a_fork_server_with_a_thread_falls_back_to_fresh_interpreters(workdir: Path) -> None:
+    (workdir / "threaded_at_import.py").write_text(PRELOAD_WITH_A_THREAD)
+    res, sweep_dir = sweep(workdir, "seed=0,1", "hydra.launcher.preload=[threaded_at_import]")
+    warnings = [ln for ln in res.output.splitlines() if "fresh interpreter each" in ln]
+    assert len(warnings) == 1, res.output
+    assert "Python threads besides its main one (user-thread)" in warnings[0]
+    for m in _job_lines(sweep_dir).values():
+        assert m.group(4) == "a fresh interpreter" and m.group(3) == m.group(2)
+    assert [r["status"] for r in summary_rows(sweep_dir)] == ["completed", "completed"]
+
+
 LOG_TIME = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]")
 
 
@@ -274,3 +326,55 @@ def test_job_over_timeout_is_stopped_and_reported(workdir: Path) -> None:
     assert rows["1"]["status"] != "completed"
     # The stopped job still saved where it was, so it can be resumed.
     assert (sweep_dir / "1" / "checkpoints" / "last.pt").is_file()
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def _rows_so_far(sweep_dir: Path) -> int:
+    try:
+        return len(summary_rows(sweep_dir))
+    except (FileNotFoundError, csv.Error):
+        return 0
+
+
+def test_forty_tiny_jobs_keep_the_launcher_flat_and_a_sigkill_keeps_the_rows(workdir: Path) -> None:
+    """The table is rewritten as each job ends: SIGKILL the launcher half way through a
+    40-job sweep and the rows of the jobs that ended are on disk; the launcher's memory
+    did not grow with the jobs it ran."""
+    import subprocess
+    import sys
+
+    from helpers import kill_session
+
+    sweep_dir = workdir / "sweep"
+    args = ["-m", *TINY, "data.num_samples=16", "data.val_samples=16", "trainer.max_steps=1",
+            f"seed=range({40})", f"hydra.sweep.dir={sweep_dir}"]
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    with open(workdir / "out.txt", "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "ddpexp", *args], cwd=workdir, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 400
+        rss = {}
+        while len(rss) < 2:
+            assert proc.poll() is None and time.time() < deadline, (workdir / "out.txt").read_text()
+            done = _rows_so_far(sweep_dir)
+            for mark in (5, 20):
+                if done >= mark and mark not in rss:
+                    rss[mark] = _rss_kib(proc.pid)
+            time.sleep(0.05)
+        proc.kill()
+        proc.wait(timeout=30)
+    finally:
+        kill_session(proc.pid)
+    rows = summary_rows(sweep_dir)
+    assert 20 <= len(rows) < 40
+    assert {r["status"] for r in rows} == {"completed"}
+    assert sorted(int(r["job"]) for r in rows) == list(range(len(rows)))
+    # 15 jobs later, the launcher holds at most a few MiB more (their configs and results).
+    assert rss[20] - rss[5] < 20 * 1024, rss

@@ -39,11 +39,10 @@ def test_every_scalar_of_a_run(sweep):
     m = read_metrics(run_dir)
     acc = accumulator(run_dir)
     scalars = {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
-    per_step = ["train/loss", "train/acc", "train/samples_per_s", "train/grad_norm"]
+    per_step = ["train/loss", "train/acc", "train/samples_per_s", "train/grad_norm", "train/lr"]
     per_epoch = ["val/loss", "val/acc", "epoch/time_s", "best/val/acc"]
-    assert set(per_step + per_epoch + ["train/lr"]) <= set(scalars)
-    # The lr monitor callback logs the lr of every optimizer step.
-    assert [s for s, _ in scalars["train/lr"]] == list(range(1, m["steps"] + 1))
+    # The lr monitor callback logs at the cadence of the other train scalars.
+    assert set(per_step + per_epoch) <= set(scalars)
     steps_per_epoch = m["steps"] // m["epochs"]  # 256 samples / 64 = 4
     for tag in per_step:
         assert [s for s, _ in scalars[tag]] == list(range(2, m["steps"] + 1, 2)), tag

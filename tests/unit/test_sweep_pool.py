@@ -66,3 +66,23 @@ def test_add_gpus(cores):
     s = pool.Slices(2, [])
     s.add_gpus(["3", "5"])
     assert s.take(1) == ([0], ["3"])
+
+
+def test_fork_server_refuses_to_fork_with_a_thread_running():
+    """The server forks only while it has no Python thread besides its main one and no
+    native thread more than after its imports."""
+    import threading
+
+    from ddpexp.sweep import forkserver
+
+    baseline = forkserver.native_threads()
+    assert forkserver._unsafe(baseline) is None
+    assert "threads, 1 more" in forkserver._unsafe(baseline - 1)
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait, name="left-running")
+    thread.start()
+    try:
+        assert "(left-running)" in forkserver._unsafe(forkserver.native_threads())
+    finally:
+        stop.set()
+        thread.join()

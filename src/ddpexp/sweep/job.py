@@ -1,12 +1,14 @@
 """One sweep job in its own process: ``python -m ddpexp.sweep.job SPEC RESULT``.
 
-The parent (``_core``) writes SPEC: first a plain pickle ``{"sys_path", "cores"}`` (read before
-anything else is imported, so the CPU affinity is set before torch or OpenMP start threads),
-then a cloudpickle of the task function, the job's sweep config, the Hydra context and
-Hydra's Singleton state (config store, resolvers), as Hydra's submitit launcher does. This
-process restores that state, runs the job with Hydra's ``run_job`` and writes its
-``JobReturn`` to RESULT. The task function fans out its own workers from here (ddpexp: on
-torch elastic); they inherit this process's affinity, thread variables and visible GPUs.
+The launcher (:mod:`ddpexp.sweep.pool`) writes SPEC: first a plain pickle ``{"sys_path",
+"cores"}`` (read before anything else is imported, so the CPU affinity is set before torch or
+OpenMP start threads), then a cloudpickle of the task function, the job's sweep config, the
+Hydra context and Hydra's Singleton state (config store, resolvers), as Hydra's submitit
+launcher does. This process restores that state, runs the job with Hydra's ``run_job`` and
+writes its ``JobReturn`` to RESULT. The launcher's fork server
+(:mod:`ddpexp.sweep.forkserver`) calls :func:`main` the same way in a process it forks. The
+task function fans out its own workers from here (ddpexp: on torch elastic); they inherit
+this process's affinity, thread variables and visible GPUs.
 """
 
 from __future__ import annotations
@@ -32,11 +34,16 @@ class _Announced:
         import logging
 
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        server = sys.modules.get("ddpexp.sweep.forkserver")
+        forked_from = getattr(server, "FORKED_FROM", None)
         logging.getLogger(log_name).info(
-            "job %s: pid %d, cores %s, OMP_NUM_THREADS=%s, CUDA_VISIBLE_DEVICES=%s",
+            "job %s: pid %d, cores %s, OMP_NUM_THREADS=%s, CUDA_VISIBLE_DEVICES=%s, "
+            "process group %d, %s",
             self.num, os.getpid(), ",".join(map(str, cores)) or "all",
             os.environ.get("OMP_NUM_THREADS", "unset"),
-            os.environ.get("CUDA_VISIBLE_DEVICES", "unset"),
+            os.environ.get("CUDA_VISIBLE_DEVICES", "unset"), os.getpgid(0),
+            f"forked from the fork server (pid {forked_from})" if forked_from
+            else "a fresh interpreter",
         )
         return self.task_function(cfg)
 

@@ -45,6 +45,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from ddpexp.config.rundir import drop_unused_claims
 from ddpexp.config.cli import SWEEP_COMMAND_ENV, continue_sweep, sweep_command
 from ddpexp.errors import RunInterrupted
+from ddpexp.sweep.forkserver import ForkedJob, ForkServer
 from ddpexp.sweep.summary import job_error, summarize
 from ddpexp.record import FINISHED, JOB_STARTED_ENV, read_metrics_or_empty
 
@@ -142,7 +143,7 @@ class Job:
     dir: Optional[Path] = None
     gpus: int = 0
     ret: Optional[JobReturn] = None
-    proc: Optional[subprocess.Popen] = None
+    proc: Optional[subprocess.Popen | ForkedJob] = None
     slice: Optional[tuple] = None
     started: float = 0.0
     stopping_since: Optional[float] = None
@@ -190,8 +191,11 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
                     pending.pop(0)
             elif not pool.running:
                 break
-            for job in pool.wait_any():
+            ended = pool.wait_any()
+            for job in ended:
                 failed = failed or job.outcome == "failed"
+            if ended:
+                summarize(launcher, jobs, sweep_dir, final=False)
     reason = (f"not run: the sweep was stopped by {pool.stopped}" if pool.stopped else
               "not run: an earlier job failed and hydra.launcher.fail_fast=true")
     for job in pending:
@@ -244,9 +248,14 @@ class Pool:
         self._gpus_known = False
         self._signals = _StopSignals()
         self._workdir: Optional[Path] = None
+        self._server: Optional[ForkServer] = None
 
     def __enter__(self) -> "Pool":
         self._workdir = Path(tempfile.mkdtemp(prefix="ddp-launcher-"))
+        if getattr(self.launcher, "fork", True):
+            self._server = ForkServer(getattr(self.launcher, "preload", None) or ())
+            self._server.start()
+            self._server.wait_ready()
         self._signals.__enter__()
         return self
 
@@ -257,6 +266,8 @@ class Pool:
                 _signal_group(job, signal.SIGKILL)
             self._signals.__exit__(*exc)
         finally:
+            if self._server is not None:
+                self._server.close()
             if self._workdir is not None:
                 shutil.rmtree(self._workdir, ignore_errors=True)
             config = self.launcher.config
@@ -282,7 +293,7 @@ class Pool:
         if taken is None:
             return False
         assert self._workdir is not None, "Pool.start() outside its with block"
-        _start(self.launcher, job, taken, self.slices.split, self._workdir)
+        _start(self.launcher, job, taken, self.slices.split, self._workdir, self._server)
         self.running.append(job)
         return True
 
@@ -362,7 +373,10 @@ def _comparable(overrides: Sequence[str]) -> List[str]:
 
 
 # ------------------------------------------------------------------------------ running
-def _start(launcher: Any, job: Job, taken: tuple, split: bool, workdir: Path) -> None:
+def _start(launcher: Any, job: Job, taken: tuple, split: bool, workdir: Path,
+           server: Optional[ForkServer] = None) -> None:
+    """Write the job's spec and start its process: forked by ``server`` where it can,
+    else a fresh ``python -m ddpexp.sweep.job``."""
     import cloudpickle
 
     cores, gpu_ids = taken
@@ -393,7 +407,8 @@ def _start(launcher: Any, job: Job, taken: tuple, split: bool, workdir: Path) ->
     # Its own process group (same session): one killpg stops the job and all its workers.
     group: dict[str, Any] = ({"process_group": 0} if sys.version_info >= (3, 11)
                              else {"preexec_fn": os.setpgrp})
-    job.proc = subprocess.Popen(
+    forked = server.spawn(spec_path, result_path, env) if server is not None else None
+    job.proc = forked or subprocess.Popen(
         [sys.executable, "-m", "ddpexp.sweep.job", str(spec_path), str(result_path)],
         env=env, **group,
     )
@@ -438,7 +453,7 @@ def _signal_group(job: Job, sig: int) -> None:
 
 def _finish(job: Job) -> None:
     """Read the job's JobReturn; a job that died without one gets a FAILED return saying how."""
-    code = job.proc.returncode  # type: ignore[union-attr]  # only started jobs finish
+    code = cast(int, job.proc.returncode)  # type: ignore[union-attr]  # only started jobs finish, after poll() gave their code
     job.ended = time.time()
     # Workers of a job that died abruptly may outlive it: nothing of a job survives it.
     _signal_group(job, signal.SIGKILL)

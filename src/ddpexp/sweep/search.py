@@ -162,8 +162,11 @@ class _Search:
         with sweep_pool.Pool(self.launcher) as pool:
             waiting = self._fill(pool, None)
             while pool.running:
-                for job in pool.wait_any():
+                ended = pool.wait_any()
+                for job in ended:
                     self._tell(job, pool)
+                if ended:
+                    summarize(self.launcher, self.jobs, self.sweep_dir, final=False)
                 waiting = self._fill(pool, waiting)
         if waiting is not None and not pool.stopped:
             why = "not run: an earlier trial failed and hydra.launcher.fail_fast=true"

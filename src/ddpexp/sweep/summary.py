@@ -19,9 +19,11 @@ from ddpexp import report
 log = logging.getLogger("hydra_plugins.ddpexp_launcher")
 
 
-def summarize(launcher: Any, jobs: Sequence[Any], sweep_dir: Path) -> None:
+def summarize(launcher: Any, jobs: Sequence[Any], sweep_dir: Path, final: bool = True) -> None:
     """Write and print the sweep's table (every job in the sweep dir so far), then list the
-    jobs of this launch that failed or were interrupted, with their overrides and cause."""
+    jobs of this launch that failed or were interrupted, with their overrides and cause.
+    ``final=False`` (as each job ends): write the table only, so that a launcher that is
+    killed leaves the rows of the jobs that ended."""
     for job in jobs:
         if job.ret is None:
             continue
@@ -47,6 +49,9 @@ def summarize(launcher: Any, jobs: Sequence[Any], sweep_dir: Path) -> None:
     ordered = report.sort_rows(rows.values())
     if ordered:
         report.write_summary(sweep_dir, ordered)
+    if not final:
+        return
+    if ordered:
         log.info("sweep summary (%s):\n%s", sweep_dir / "summary.csv",
                  report.format_rows(ordered, "text").rstrip())
     ended = [j for j in jobs if j.ret is not None]

@@ -1,7 +1,7 @@
 """The ``ddp`` launcher's config, registered under ``hydra/launcher``."""
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import List, Optional
 
 from hydra.core.config_store import ConfigStore
 
@@ -23,6 +23,12 @@ class DdpLauncherConf:
     # After SIGTERM (timeout, Ctrl-C, a scheduler's stop), how long a job may take to save
     # and exit before its whole process group is killed.
     kill_grace_s: float = 30.0
+    # Fork each job from one process that has imported torch, Hydra and ddpexp (a job then
+    # starts in a fraction of a second); false: every job is a fresh interpreter.
+    fork: bool = True
+    # Modules of your own that the fork server imports too (your model's library), so that
+    # jobs do not import them each.
+    preload: List[str] = field(default_factory=list)
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="ddp", node=DdpLauncherConf,

@@ -16,12 +16,15 @@ class DdpLauncher(Launcher):
 
     def __init__(self, max_parallel: int = 1, fail_fast: bool = False,
                  gpus: Optional[int] = None, timeout_s: Optional[float] = None,
-                 kill_grace_s: float = 30.0) -> None:
+                 kill_grace_s: float = 30.0, fork: bool = True,
+                 preload: Optional[Sequence[str]] = None) -> None:
         self.max_parallel = max_parallel
         self.fail_fast = fail_fast
         self.gpus = gpus
         self.timeout_s = timeout_s
         self.kill_grace_s = kill_grace_s
+        self.fork = fork
+        self.preload = list(preload or [])
         # Outcomes of every launch() call of this sweep (some sweepers launch in batches), by
         # job subdir: a job that left no metrics.json still gets its row and cause.
         self.outcomes: dict = {}

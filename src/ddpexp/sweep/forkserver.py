@@ -1,0 +1,344 @@
+"""Sweep jobs forked from a process that has already imported torch, Hydra and ddpexp.
+
+A fresh interpreter spends seconds importing torch, Hydra, ddpexp and what a run imports on
+its way (TensorBoard, the datasets' library, torch's compiler stack, which its optimizers
+load): a sweep of short jobs paid that once per job. The ddp launcher instead starts one
+server process (``python -m ddpexp.sweep.forkserver``) at the start of a sweep; it imports
+all of that once and then only forks. Each forked child is a job process as
+``python -m ddpexp.sweep.job`` would be: it puts itself in a process group of its own, takes
+the launcher's environment for the job (its GPUs, thread counts), resets the signal
+handlers and runs :func:`ddpexp.sweep.job.main`, which sets the job's CPU affinity, and the
+worker its thread count, before any tensor op.
+
+What makes the fork safe: the server runs no tensor op, queries no device, and starts no
+thread. Before every fork it checks that it has one Python thread and no more native
+threads than it had right after its imports (the thread pools that numpy's and SciPy's
+BLAS start when they load, which the BLAS libraries themselves re-create in a forked
+child); where that does not hold, or the server cannot start, the launcher starts that job,
+and the rest, in a fresh interpreter, with one warning.
+
+The launcher and the server talk over two pipes, one JSON object per line: the launcher
+sends ``{"id", "spec", "result", "env", "cwd"}``, the server answers ``{"id", "pid"}`` or
+``{"id", "error"}``, and ``{"exit": pid, "code": c}`` when a child ends (``code`` as
+``Popen.returncode`` gives it: negative for a signal). The server ends when the launcher's
+end of its pipe closes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+log = logging.getLogger("hydra_plugins.ddpexp_launcher")
+
+# What every job imports on its way to the first step, imported once in the server.
+PRELOAD = (
+    "torch",
+    "torch._dynamo",  # torch's optimizers import it when they are built
+    "torch.utils.tensorboard",
+    "sklearn.datasets",
+    "hydra",
+    "cloudpickle",
+    "ddpexp.sweep.job",
+    "ddpexp.launch.fanout",
+    "ddpexp.launch.worker",
+    "ddpexp.training.trainer",
+    "ddpexp.data.sources",
+    "ddpexp.loggers",
+)
+# How long a sweep waits at its start for the server's imports before its jobs start afresh.
+READY_TIMEOUT_S = 120.0
+# In a forked job process: the pid of the server it was forked from (None elsewhere).
+FORKED_FROM: Optional[int] = None
+
+
+def native_threads() -> int:
+    """This process's threads, as the kernel counts them (Python's and native ones)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+# ------------------------------------------------------------------------------ server
+def serve(requests: int, replies: int, preload: Sequence[str]) -> int:
+    """The server's loop: import, say ready, then fork a job for every request and report
+    every child's exit, until the launcher closes ``requests``."""
+    import importlib
+
+    # Ctrl-C in the terminal reaches the launcher, which stops the jobs; the server ends
+    # when the launcher does (its pipe closes), not on the terminal's signal.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    out = os.fdopen(replies, "w", buffering=1)
+
+    def say(message: dict) -> None:
+        out.write(json.dumps(message) + "\n")
+
+    try:
+        for name in (*PRELOAD, *preload):
+            importlib.import_module(name)
+    except Exception as exc:  # noqa: BLE001 - any import failure means: start jobs afresh
+        say({"failed": f"importing {name} raised {type(exc).__name__}: {exc}"})
+        return 1
+    baseline = native_threads()
+    say({"ready": os.getpid(), "threads": baseline})
+    pending = b""
+    while True:
+        ready, _, _ = select.select([requests], [], [], 0.05)
+        _reap(say)
+        if not ready:
+            continue
+        data = os.read(requests, 1 << 16)
+        if not data:
+            return 0
+        pending += data
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            request = json.loads(line)
+            why = _unsafe(baseline)
+            if why:
+                say({"id": request["id"], "error": why})
+                continue
+            pid = os.fork()
+            if pid == 0:
+                _child(request, requests, out)
+            # The child does the same: whichever runs first, the group exists before the
+            # launcher can signal it.
+            try:
+                os.setpgid(pid, pid)
+            except OSError:
+                pass  # the child has ended already
+            say({"id": request["id"], "pid": pid})
+
+
+def _unsafe(baseline: int) -> Optional[str]:
+    """Why forking now is not safe, or None."""
+    if threading.active_count() != 1:
+        names = ", ".join(t.name for t in threading.enumerate() if t is not threading.main_thread())
+        return f"the fork server has Python threads besides its main one ({names})"
+    now = native_threads()
+    if now > baseline:
+        return (f"the fork server has {now} threads, {now - baseline} more than after its "
+                "imports")
+    return None
+
+
+def _reap(say: Any) -> None:
+    """Report every child that has ended."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        say({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _child(request: dict, requests: int, out: Any) -> None:
+    """The forked job process: its own process group, the job's environment and signal
+    handlers, then the job. Never returns."""
+    global FORKED_FROM
+    code = 1
+    try:
+        FORKED_FROM = os.getppid()
+        os.setpgid(0, 0)
+        os.close(requests)
+        out.close()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        sys.argv = ["ddpexp.sweep.job", request["spec"], request["result"]]
+        from ddpexp.sweep import job
+
+        code = job.main(request["spec"], request["result"])
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 - the job process reports whatever ended it
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+# ------------------------------------------------------------------------------ launcher side
+class ForkedJob:
+    """A job process forked by the server, with the part of ``subprocess.Popen``'s interface
+    the launcher uses (``pid``, ``poll()``, ``returncode``)."""
+
+    def __init__(self, server: "ForkServer", pid: int) -> None:
+        self.server = server
+        self.pid = pid
+        self.returncode: Optional[int] = None
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            self.returncode = self.server.exit_code(self.pid)
+        return self.returncode
+
+
+class ForkServer:
+    """The launcher's handle on the server: :meth:`spawn` asks it for a job process. A
+    server that cannot start, or that refuses a fork, makes :meth:`spawn` return None from
+    then on (the job starts in a fresh interpreter), after one warning."""
+
+    def __init__(self, preload: Sequence[str] = ()) -> None:
+        self.preload = list(preload)
+        self.proc: Optional[subprocess.Popen] = None
+        self.broken: Optional[str] = None
+        self._to_server: Optional[int] = None
+        self._lock = threading.Condition()
+        self._replies: Dict[int, dict] = {}
+        self._exits: Dict[int, int] = {}
+        self._ready: Optional[dict] = None
+        self._next_id = 0
+        self._reader: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        """Start the server; its imports run while the launcher prepares the jobs."""
+        if not hasattr(os, "fork"):
+            self._give_up("this platform has no fork()")
+            return
+        req_r, req_w = os.pipe()
+        rep_r, rep_w = os.pipe()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "ddpexp.sweep.forkserver", str(req_r), str(rep_w),
+                 *self.preload],
+                pass_fds=(req_r, rep_w), stdin=subprocess.DEVNULL)
+        except OSError as exc:
+            os.close(req_w)
+            os.close(rep_r)
+            self._give_up(f"the fork server did not start ({exc})")
+            return
+        finally:
+            os.close(req_r)
+            os.close(rep_w)
+        self._to_server = req_w
+        self._reader = threading.Thread(target=self._read, args=(rep_r,),
+                                        name="ddpexp-forkserver", daemon=True)
+        self._reader.start()
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """Wait until the server has imported (the sweep's first jobs then fork too rather
+        than each importing alongside it); past ``timeout``, jobs start afresh."""
+        if self.broken is not None or self._to_server is None:
+            return
+        with self._lock:
+            ready = self._lock.wait_for(lambda: self._ready is not None, timeout)
+            message = self._ready
+        if not ready:
+            self._give_up(f"the fork server was not ready after {timeout:.0f} s")
+        elif message is not None and "failed" in message:
+            self._give_up(message["failed"])
+
+    def _read(self, fd: int) -> None:
+        with os.fdopen(fd, "r") as replies:
+            for line in replies:
+                message = json.loads(line)
+                with self._lock:
+                    if "exit" in message:
+                        self._exits[message["exit"]] = message["code"]
+                    elif "id" in message:
+                        self._replies[message["id"]] = message
+                    else:
+                        self._ready = message
+                    self._lock.notify_all()
+        with self._lock:
+            self._ready = self._ready or {"failed": "the fork server ended before it was ready"}
+            if self.broken is None and self._ready.get("ready"):
+                self.broken = "the fork server ended"
+            self._lock.notify_all()
+
+    def _give_up(self, why: str) -> None:
+        if self.broken is None:
+            self.broken = why
+            log.warning("ddp launcher: jobs start in a fresh interpreter each: %s", why)
+
+    def spawn(self, spec: Path, result: Path, env: Dict[str, str]) -> Optional[ForkedJob]:
+        """A forked job process running ``spec``, or None when the job must start in a
+        fresh interpreter instead."""
+        if self.broken is not None or self._to_server is None:
+            return None
+        with self._lock:
+            if self._ready is None or "failed" in self._ready:
+                return None  # not ready (wait_ready gave up): a fresh interpreter
+            self._next_id += 1
+            request_id = self._next_id
+        request = {"id": request_id, "spec": str(spec), "result": str(result), "env": env,
+                   "cwd": os.getcwd()}
+        try:
+            os.write(self._to_server, (json.dumps(request) + "\n").encode())
+        except OSError as exc:
+            self._give_up(f"the fork server cannot be reached ({exc})")
+            return None
+        with self._lock:
+            self._lock.wait_for(lambda: request_id in self._replies or self.broken is not None)
+            reply = self._replies.pop(request_id, None)
+        if reply is None or "pid" not in reply:
+            self._give_up(reply["error"] if reply else str(self.broken))
+            return None
+        return ForkedJob(self, reply["pid"])
+
+    def exit_code(self, pid: int) -> Optional[int]:
+        """The exit code of forked job ``pid`` once it has ended (None while it runs). A
+        server that died first leaves its children unreported: they are gone with it, or
+        orphaned, and the launcher kills their group either way."""
+        with self._lock:
+            if pid in self._exits:
+                return self._exits.pop(pid)
+        if self.proc is not None and self.proc.poll() is not None and not _alive(pid):
+            return -signal.SIGKILL
+        return None
+
+    def close(self) -> None:
+        """End the server (it exits when its pipe closes)."""
+        if self._to_server is not None:
+            try:
+                os.close(self._to_server)
+            except OSError:
+                pass
+            self._to_server = None
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def main(argv: List[str]) -> int:
+    return serve(int(argv[0]), int(argv[1]), argv[2:])
+
+
+if __name__ == "__main__":
+    # Served from the module under its own name, not as __main__, so that a forked job
+    # finds FORKED_FROM where it looks for it.
+    from ddpexp.sweep.forkserver import main as _serve
+
+    sys.exit(_serve(sys.argv[1:]))
