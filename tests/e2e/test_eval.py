@@ -181,7 +181,10 @@ def test_seed_sweep_is_grouped_and_every_job_evaluated(workdir: Path):
 
     code, out, err = eval_main(str(sweep))
     assert code == 0, err
-    assert len(out.splitlines()) == 1 + 6
+    # The table (a header and a row per job), then a line per job saying what it evaluated.
+    lines = out.splitlines()
+    assert len(lines) == 1 + 6 + 6
+    assert all(" on the test split: the whole split, " in line for line in lines[7:])
     for job in range(6):
         (rec,) = records(sweep / str(job))
         assert rec["metrics"]["test/acc"] == pytest.approx(
