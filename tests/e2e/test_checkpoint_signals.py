@@ -26,7 +26,7 @@ LONG = [
     "model.hidden=[16]", "model.dropout=0.5", "trainer.log_every_n_steps=2",
     "trainer.ckpt_every_steps=3",
     # Trained for long on noise, the loss may rise far past its start: divergence is not what
-    # these runs are about (tests/test_divergence.py is).
+    # these runs are about (tests/e2e/test_divergence.py is).
     "trainer.divergence_factor=null",
 ]
 HUGE = "trainer.max_epochs=100000"
@@ -136,7 +136,7 @@ SUBMITIT_ENV = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "4242"}
 
 
 @pytest.mark.slow
-# Two workers only: one process takes the same path, and tests/test_slurm.py requeues a real
+# Two workers only: one process takes the same path, and tests/e2e/test_slurm.py requeues a real
 # SLURM job.
 @pytest.mark.parametrize("procs", [2])
 def test_slurm_pre_timeout_signal_checkpoints_and_requeue_continues(workdir, procs):

@@ -104,7 +104,7 @@ def job_id(cluster, name: str, proc: subprocess.Popen, timeout: float = 60) -> s
 def test_srun_two_tasks_one_run_guarded_dir(slurm, tmp_path):
     """Two tasks form one world of 2 ranks: one run dir, Hydra's files and each log line once,
     one writer. The same run dir again is refused. (trainer.procs that disagree with the tasks:
-    tests/test_slurm_plan.py, in-process.)"""
+    tests/unit/test_slurm_plan.py, in-process.)"""
     # outputs/job_$SLURM_JOB_ID as the login shell expands it before srun starts the job.
     run_dir = tmp_path / "outputs" / "job_"
     res = srun(slurm, [*TINY, f"hydra.run.dir={run_dir}"], tmp_path)

@@ -1,5 +1,5 @@
 """What a SLURM task reads from its environment, in-process: the step's port and host, the
-plan of a step's ranks, the failure message rank 0 writes. (tests/test_slurm.py runs the
+plan of a step's ranks, the failure message rank 0 writes. (tests/e2e/test_slurm.py runs the
 same paths under a real srun.)"""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Which launcher started the ranks, read from the environment in-process: the precedence
 of torchrun, MPI, SLURM and env://, their rendezvous, the mismatches refused with one
-message, and the command that starts the same ranks again. (tests/test_worlds.py runs the
+message, and the command that starts the same ranks again. (tests/e2e/test_worlds.py runs the
 real launchers.)"""
 
 from __future__ import annotations

@@ -97,9 +97,10 @@ class ModelCheckpoint(Callback):
 
     def save(self, trainer: TrainerView, best: bool = False,
              ranked: Optional[tuple[float, int]] = None) -> None:
-        """Every rank contributes its state; rank 0 writes last.pt (and best.pt, and the
-        top-k file of a validation ``ranked`` = (value, epoch) that makes the top k). Files
-        that fell out of the top k are deleted only once the new checkpoint is on disk."""
+        """Every rank contributes its state; rank 0 writes last.pt (under fsdp every rank its
+        shards of it), and best.pt and the top-k file of a validation ``ranked`` = (value,
+        epoch) that makes the top k. Files that fell out of the top k are deleted, by rank 0,
+        only once the new checkpoint is on disk."""
         if not trainer.weights_finite():
             return
         entry, dropped = None, []

@@ -5,9 +5,10 @@ starts each trial's job with ``DDPEXP_OPTUNA_TRIAL`` in its environment, which e
 the job inherits: a JSON object naming the study's journal file, the study, the trial and the
 pruner (:func:`ddpexp.sweep.pruning.trial_env`). Only in such a run is the callback active:
 after each validation global rank 0 reports the monitored value to the study through a
-:class:`Reporter` and asks the pruner; the answer reaches every rank in one small broadcast,
-and a pruned trial stops after that epoch's checkpoint with status ``pruned``. optuna is
-imported only when a trial reports.
+:class:`Reporter` and asks the pruner; the answer reaches every rank in one small broadcast.
+On a prune this callback asks for the stop (``trainer.request_stop(..., status="pruned")``);
+the trainer's agreement then ends the run after that epoch, whose checkpoint the checkpoint
+callback still writes, with status ``pruned``. optuna is imported only when a trial reports.
 """
 
 from __future__ import annotations

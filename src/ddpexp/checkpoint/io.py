@@ -1,5 +1,6 @@
-"""Checkpoint files: written atomically (by global rank 0 only), read safely
-(``weights_only=True``, always), found for ``resume=``.
+"""Checkpoint files: written atomically, read safely (``weights_only=True``, always), found
+for ``resume=``. A checkpoint file is written by global rank 0 alone; a sharded one (below) by
+every rank, each writing its own shards, and rank 0 its ``meta.pt`` and the rename.
 
 This module only reads and writes files; what a checkpoint holds is gathered by
 :mod:`ddpexp.checkpoint.state` (its docstring documents the schema), the unwrapped model's weights under

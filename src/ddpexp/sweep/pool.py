@@ -1,6 +1,7 @@
-"""The ddp launcher's work (Hydra's plugin discovery skips modules starting with ``_``).
+"""The ddp launcher's work, which its Hydra plugin (``hydra_plugins.ddpexp_launcher``) hands
+over to inside ``launch()``.
 
-Every sweep job runs in its own process (``_job``), in its own process group, so that a job
+Every sweep job runs in its own process (:mod:`ddpexp.sweep.job`), in its own process group, so that a job
 and every worker it fans out can be stopped together. Up to ``max_parallel`` jobs run at
 once, each on its own slice of the machine: a disjoint set of CPU cores (its affinity, which
 its workers inherit, and matching OpenMP/MKL thread counts) and, for a job with

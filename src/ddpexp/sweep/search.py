@@ -1,4 +1,5 @@
-"""The ``optuna_async`` search (Hydra's plugin discovery skips modules starting with ``_``).
+"""The ``optuna_async`` search, which its Hydra plugin (``hydra_plugins.ddpexp_optuna_sweeper``)
+hands over to inside ``sweep()``.
 
 An optuna study in ``<sweep dir>/optuna.journal`` (optuna's journal file storage: several
 processes may read and write it, no database server) is driven by ask/tell on the ddp

@@ -1,6 +1,6 @@
 """The Hydra ``Launcher`` class: stores its config in ``setup()`` and leaves the work to
-``_core`` inside ``launch()``, so that importing the plugin (which Hydra does at every start
-of every app) imports neither torch nor anything heavy."""
+:mod:`ddpexp.sweep.pool`, imported inside ``launch()``, so that importing the plugin (which
+Hydra does at every start of every app) imports neither torch nor anything heavy."""
 
 from typing import Optional, Sequence
 

@@ -1,6 +1,6 @@
 """The Hydra ``Sweeper`` class: keeps its config and the launcher, and leaves the search to
-``_search`` inside ``sweep()``, so that importing the plugin (which Hydra does at every start
-of every app) imports neither optuna nor torch."""
+:mod:`ddpexp.sweep.search`, imported inside ``sweep()``, so that importing the plugin (which
+Hydra does at every start of every app) imports neither optuna nor torch."""
 
 from typing import Any, List, Optional
 
