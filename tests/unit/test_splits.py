@@ -200,3 +200,64 @@ def test_text_parts_share_no_token(tmp_path):
     assert all(covered) and not (covered[0] & covered[1] or covered[1] & covered[2]
                                  or covered[0] & covered[2])
     assert max(covered[0]) < min(covered[1]) and max(covered[1]) < min(covered[2])
+
+
+def test_packaged_digits_and_diabetes_are_scikit_learns_numbers_bit_for_bit():
+    """The files are read without importing scikit-learn; what comes out is what its loaders
+    give, so a run's data (and every saved run's resume) is unchanged."""
+    import numpy as np
+    from sklearn.datasets import load_diabetes, load_digits
+
+    from ddpexp.data.sources import _packaged, _scaled
+
+    table = np.loadtxt(_packaged("digits.csv.gz"), delimiter=",")
+    digits = load_digits()
+    assert np.array_equal(table[:, :-1].reshape(-1, 8, 8), digits.images)
+    assert np.array_equal(table[:, -1].astype(int), digits.target)
+    diabetes = load_diabetes()
+    assert np.array_equal(_scaled(np.loadtxt(_packaged("diabetes_data_raw.csv.gz"))), diabetes.data)
+    assert np.array_equal(np.loadtxt(_packaged("diabetes_target.csv.gz")), diabetes.target)
+
+
+@pytest.mark.parametrize("n,fraction,classes,skew", [
+    (1797, 0.1, 10, False), (1617, 0.1 / 0.9, 10, False), (442, 0.1, 0, False),
+    (100, 0.33, 3, True), (37, 0.2, 5, False), (12, 0.5, 6, False), (50, 0.1, 7, True),
+])
+def test_the_split_draws_what_scikit_learns_train_test_split_draws(n, fraction, classes, skew):
+    import numpy as np
+    from sklearn.model_selection import train_test_split
+
+    from ddpexp.data.base import _two_way
+
+    gen = np.random.default_rng(n)
+    index = gen.permutation(n * 3)[:n]
+    labels = None
+    if classes:
+        p = np.linspace(1, 4, classes) if skew else np.ones(classes)
+        labels = gen.choice(classes, size=n, p=p / p.sum())
+    held = int(np.ceil(fraction * n))
+    for seed in (0, 1, 7, 12345):
+        kept, held_out = _two_way(index, fraction, seed, labels)
+        stratify = labels
+        if labels is not None:
+            counts = np.unique(labels, return_counts=True)[1]
+            if counts.min() < 2 or held < len(counts) or n - held < len(counts):
+                stratify = None
+        want_kept, want_held = train_test_split(index, test_size=held, random_state=seed,
+                                                stratify=stratify)
+        assert np.array_equal(kept, want_kept) and np.array_equal(held_out, want_held)
+
+
+def test_digits_and_diabetes_load_without_importing_scikit_learn(monkeypatch):
+    """scikit-learn's import (scipy, pandas) costs every worker about a second: the packaged
+    data must load without it (its modules are taken out of sys.modules for the test, and put
+    back after it)."""
+    import sys
+
+    from ddpexp.data import Diabetes, Digits
+
+    for name in [m for m in sys.modules if m == "sklearn" or m.startswith("sklearn.")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert [len(p) for p in Digits().load()] == [1437, 180, 180]
+    assert [len(p) for p in Diabetes().load()] == [352, 45, 45]
+    assert not [m for m in sys.modules if m == "sklearn" or m.startswith("sklearn.")]

@@ -175,18 +175,57 @@ def _two_way(index: np.ndarray, fraction: float, seed: int,
              labels: Optional[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """``index`` cut into (kept, held out) with ``fraction`` held out, stratified where every
     class can give a sample to both parts (small or skewed data falls back to a plain shuffle,
-    where scikit-learn would refuse)."""
-    from sklearn.model_selection import train_test_split
+    where scikit-learn would refuse).
 
+    The draws are scikit-learn's ``train_test_split(index, test_size=held, random_state=seed,
+    stratify=labels)``, made here with numpy alone (importing scikit-learn costs every worker
+    a second at start-up); ``tests/unit/test_splits.py`` holds the two to the same indices."""
     held = int(np.ceil(fraction * len(index)))
     if len(index) < 2 or held < 1 or held >= len(index):
         raise ConfigError(
             f"a {fraction:.3g} share of {len(index)} samples leaves a part empty; "
             "use larger data or a different data.val_fraction/test_fraction"
         )
+    kept_n = len(index) - held
+    rng = np.random.RandomState(seed)
     if labels is not None:
-        _, counts = np.unique(labels, return_counts=True)
-        if counts.min() < 2 or held < len(counts) or len(index) - held < len(counts):
-            labels = None
-    kept, held_out = train_test_split(index, test_size=held, random_state=seed, stratify=labels)
-    return np.asarray(kept), np.asarray(held_out)  # arrays already: typed as a union
+        _, inverse, counts = np.unique(labels, return_inverse=True, return_counts=True)
+        if counts.min() >= 2 and held >= len(counts) and kept_n >= len(counts):
+            kept, held_out = _stratified(inverse.reshape(-1), counts, kept_n, held, rng)
+            return index[kept], index[held_out]
+    order = rng.permutation(len(index))
+    return index[order[held:held + kept_n]], index[order[:held]]
+
+
+def _stratified(inverse: np.ndarray, counts: np.ndarray, kept_n: int, held: int,
+                rng: np.random.RandomState) -> tuple[np.ndarray, np.ndarray]:
+    """Positions of the kept and held-out samples, every class shared out in proportion to
+    its size (scikit-learn's ``StratifiedShuffleSplit``, first split)."""
+    per_class = np.split(np.argsort(inverse, kind="stable"), np.cumsum(counts)[:-1])
+    kept_i = _apportion(counts, kept_n, rng)
+    held_i = _apportion(counts - kept_i, held, rng)
+    kept: list[int] = []
+    held_out: list[int] = []
+    for members, k, h in zip(per_class, kept_i, held_i, strict=True):
+        shuffled = members.take(rng.permutation(len(members)), mode="clip")
+        kept.extend(shuffled[:k])
+        held_out.extend(shuffled[k:k + h])
+    return rng.permutation(kept), rng.permutation(held_out)
+
+
+def _apportion(counts: np.ndarray, draws: int, rng: np.random.RandomState) -> np.ndarray:
+    """``draws`` shared out over classes of ``counts``: each its floor of the proportional
+    share, the rest to the largest remainders, ties broken at random."""
+    share = counts / counts.sum() * draws
+    out = np.floor(share)
+    missing = int(draws - out.sum())
+    if missing > 0:
+        remainder = share - out
+        for value in np.sort(np.unique(remainder))[::-1]:
+            (tied,) = np.where(remainder == value)
+            take = min(len(tied), missing)
+            out[rng.choice(tied, size=take, replace=False)] += 1
+            missing -= take
+            if missing == 0:
+                break
+    return out.astype(int)

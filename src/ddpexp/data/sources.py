@@ -28,16 +28,47 @@ class Digits(DataSource):
         self.split_seed = split_seed
 
     def load(self) -> tuple[InMemory, ...]:
-        from sklearn.datasets import load_digits
-
-        digits: Any = load_digits()  # a Bunch (typed as a union with return_X_y's tuple)
-        x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1)
-        y = torch.tensor(digits.target, dtype=torch.long)
+        table = np.loadtxt(_packaged("digits.csv.gz"), delimiter=",")
+        target = table[:, -1].astype(int)
+        x = torch.tensor(table[:, :-1].reshape(-1, 8, 8), dtype=torch.float32).unsqueeze(1)
+        y = torch.tensor(target, dtype=torch.long)
         parts = [torch.as_tensor(p) for p in split_indices(
-            len(y), self.val_fraction, self.test_fraction, self.split_seed, digits.target)]
+            len(y), self.val_fraction, self.test_fraction, self.split_seed, target)]
         mean, std = x[parts[0]].mean(), x[parts[0]].std()
         x = (x - mean) / std
         return _present(InMemory(x[i], y[i]) for i in parts)
+
+
+def _packaged(name: str) -> Path:
+    """A data file that ships inside scikit-learn (``sklearn/datasets/data``), found without
+    importing scikit-learn: its import (scipy, pandas) would cost every worker a second."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"the {name} data ships with scikit-learn, which is not installed: "
+                          "pip install scikit-learn")
+    path = Path(list(spec.submodule_search_locations)[0]) / "datasets" / "data" / name
+    if not path.is_file():
+        raise ConfigError(f"scikit-learn's data file {path} is missing; reinstall scikit-learn")
+    return path
+
+
+def _scaled(x: np.ndarray) -> np.ndarray:
+    """Diabetes features as scikit-learn's ``load_diabetes()`` gives them: each column
+    centred and divided by its standard deviation (the steps of ``sklearn.preprocessing.scale``,
+    its corrections included, so that the numbers match bit for bit), then by sqrt(n_samples)."""
+    mean, std = np.nanmean(x, axis=0), np.nanstd(x, axis=0)
+    x = x - mean
+    drift = np.nanmean(x, axis=0)
+    if not np.allclose(drift, 0):
+        x -= drift
+    x /= np.where(std < 10 * np.finfo(std.dtype).eps, 1.0, std)
+    drift = np.nanmean(x, axis=0)
+    if not np.allclose(drift, 0):
+        x -= drift
+    x /= x.shape[0] ** 0.5
+    return x
 
 
 def _present(parts: Iterable[InMemory]) -> tuple[InMemory, ...]:
@@ -418,11 +449,9 @@ class Diabetes(DataSource):
         self.split_seed = split_seed
 
     def load(self) -> tuple[InMemory, ...]:
-        from sklearn.datasets import load_diabetes
-
-        raw: Any = load_diabetes()  # a Bunch (typed as a union with return_X_y's tuple)
-        x = torch.tensor(raw.data, dtype=torch.float32)
-        y = torch.tensor(raw.target, dtype=torch.float32)
+        x = torch.tensor(_scaled(np.loadtxt(_packaged("diabetes_data_raw.csv.gz"))),
+                         dtype=torch.float32)
+        y = torch.tensor(np.loadtxt(_packaged("diabetes_target.csv.gz")), dtype=torch.float32)
         parts = split_indices(len(y), self.val_fraction, self.test_fraction, self.split_seed)
         tr = torch.as_tensor(parts[0])
         x = (x - x[tr].mean(0)) / x[tr].std(0)

@@ -44,7 +44,6 @@ PRELOAD = (
     "torch",
     "torch._dynamo",  # torch's optimizers import it when they are built
     "torch.utils.tensorboard",
-    "sklearn.datasets",
     "hydra",
     "cloudpickle",
     "ddpexp.sweep.job",
