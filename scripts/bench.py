@@ -270,10 +270,12 @@ def lightning_installed() -> bool:
     return any(importlib.util.find_spec(m) is not None for m in ("lightning", "pytorch_lightning"))
 
 
-def runners_for(case: Case, peers: bool = False) -> list[str]:
-    """The throughput targets' cases compare both input pipelines; the others do not depend
-    on it. Lightning (a peer) runs single runs; it has no DataParallel (removed in 2.0)."""
-    runners = ["ddpexp", DL, "plain"] if case.steady and case.name in TARGETS else ["ddpexp", "plain"]
+def runners_for(case: Case, peers: bool = False, quick: bool = False) -> list[str]:
+    """The throughput targets' cases compare both input pipelines (``quick``: the overhead
+    case alone, where the pipeline matters most); the others do not depend on it. Lightning
+    (a peer) runs single runs; it has no DataParallel (removed in 2.0)."""
+    both = case.steady and case.name in TARGETS and not (quick and case.name != "overhead")
+    runners = ["ddpexp", DL, "plain"] if both else ["ddpexp", "plain"]
     if peers and case.jobs == 1 and case.strategy == "ddp":
         runners.append(PEER)
     return runners
@@ -308,7 +310,8 @@ def table(cases: list[Case], res: Results, repeats: int, peers: bool = False) ->
     ]
     for case in cases:
         for runner in runners_for(case, peers):
-            lines.append(_row(case, runner, res))
+            if res.runs.get((case.name, runner)):
+                lines.append(_row(case, runner, res))
     return "\n".join(lines)
 
 
@@ -756,7 +759,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         for r in range(repeats):
             for case in cases:
                 # Rotate who goes first, so that a drift in machine load hits every runner.
-                runners = runners_for(case, peers)
+                runners = runners_for(case, peers, quick=args.quick)
                 shift = r % len(runners)
                 for runner in runners[shift:] + runners[:shift]:
                     run = run_one(runner, case, work, env, f"{case.name}-{r}", args.timeout)
