@@ -12,15 +12,6 @@ import pytest
 _SIGNALS = [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP]
 
 
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``-n 2 --dist loadgroup``, what CI runs), the tests that change the
-    host (apt-get for SLURM and MPI, the SLURM cluster of the session) all run in one worker:
-    one cluster, one package install at a time."""
-    for item in items:
-        if item.get_closest_marker("host") or item.get_closest_marker("slurm"):
-            item.add_marker(pytest.mark.xdist_group("host"))
-
-
 @pytest.fixture(autouse=True)
 def fresh_process_state():
     """What a run in this process (``helpers.run_cli_here``, Hydra's launcher suites, a
