@@ -43,11 +43,13 @@ sweeper in batches of ``max_parallel`` (how a batch sweeper such as hydra-optuna
     python scripts/bench.py --gpu --peers   # the GPU cases (scripts/gpu_check.sh runs them)
     python scripts/bench.py --cases search  # the search case only (--quick: 4 short trials)
     python scripts/bench.py --cases loggers # logger=tensorboard vs logger=[tensorboard,mlflow]
+    python scripts/bench.py --cases launchers  # an 8-job sweep: ddp launcher vs Hydra's basic, joblib
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import functools
 import importlib.util
 import json
@@ -268,10 +270,12 @@ def lightning_installed() -> bool:
     return any(importlib.util.find_spec(m) is not None for m in ("lightning", "pytorch_lightning"))
 
 
-def runners_for(case: Case, peers: bool = False) -> list[str]:
-    """The throughput targets' cases compare both input pipelines; the others do not depend
-    on it. Lightning (a peer) runs single runs; it has no DataParallel (removed in 2.0)."""
-    runners = ["ddpexp", DL, "plain"] if case.steady and case.name in TARGETS else ["ddpexp", "plain"]
+def runners_for(case: Case, peers: bool = False, quick: bool = False) -> list[str]:
+    """The throughput targets' cases compare both input pipelines (``quick``: the overhead
+    case alone, where the pipeline matters most); the others do not depend on it. Lightning
+    (a peer) runs single runs; it has no DataParallel (removed in 2.0)."""
+    both = case.steady and case.name in TARGETS and not (quick and case.name != "overhead")
+    runners = ["ddpexp", DL, "plain"] if both else ["ddpexp", "plain"]
     if peers and case.jobs == 1 and case.strategy == "ddp":
         runners.append(PEER)
     return runners
@@ -306,7 +310,8 @@ def table(cases: list[Case], res: Results, repeats: int, peers: bool = False) ->
     ]
     for case in cases:
         for runner in runners_for(case, peers):
-            lines.append(_row(case, runner, res))
+            if res.runs.get((case.name, runner)):
+                lines.append(_row(case, runner, res))
     return "\n".join(lines)
 
 
@@ -467,6 +472,77 @@ def _sweep_wall_s(output: str) -> float:
     if len(stamps) < 2:
         raise SystemExit("the sweep's log holds no launcher lines")
     return (stamps[-1] - stamps[0]).total_seconds()
+
+
+# ---------------------------------------------------------------------- the launchers case
+LAUNCHERS = "launchers"
+# The sweep a researcher runs first: 8 jobs of one worker on the default digits data.
+LAUNCHER_SWEEP = ["optimizer.lr=0.01,0.03,0.1,0.3", "data.batch_size=32,64",
+                  "trainer.max_epochs=3", "trainer.progress_bar=false"]
+
+
+def _launcher_variants() -> dict[str, list[str]]:
+    """What runs the sweep: ddpexp's launcher at its defaults, Hydra's basic launcher (every
+    job in the sweep's own process, one after another) and, where it is installed, Hydra's
+    joblib launcher (a pool of worker processes, as many as cores)."""
+    variants = {"ddp (defaults)": [], "basic": ["hydra/launcher=basic"]}
+    if importlib.util.find_spec("hydra_plugins.hydra_joblib_launcher") is not None:
+        variants["joblib"] = ["hydra/launcher=joblib"]
+    return variants
+
+
+def launchers_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str:
+    """The launchers case: one 8-job sweep run whole (launch to exit) by each launcher, in
+    alternating order; for ddpexp's launcher also each job's start-up as its summary row
+    says (``wall_time_s - train_time_s``: the job process's start to its first step and its
+    end-of-run work). A markdown table of medians."""
+    sweep = (["optimizer.lr=0.01,0.1", "data.batch_size=32", "trainer.max_epochs=1",
+              "trainer.progress_bar=false"] if quick else LAUNCHER_SWEEP)
+    variants = _launcher_variants()
+    walls: dict[str, list[float]] = {name: [] for name in variants}
+    overheads: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="ddpexp-bench-launchers-") as tmp:
+        for r in range(repeats):
+            names = list(variants) if r % 2 == 0 else list(variants)[::-1]
+            for name in names:
+                out = Path(tmp) / f"{name.split()[0]}-{r}"
+                cmd = [sys.executable, "-m", "ddpexp", "-m", *sweep, *variants[name],
+                       f"hydra.sweep.dir={out}"]
+                start = time.perf_counter()
+                proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True,
+                                      timeout=timeout)
+                wall = time.perf_counter() - start
+                if proc.returncode != 0:
+                    raise SystemExit(f"exit {proc.returncode}: {' '.join(cmd)}\n"
+                                     f"{proc.stdout}{proc.stderr}")
+                walls[name].append(wall)
+                if name.startswith("ddp"):
+                    with open(out / "summary.csv", newline="") as f:
+                        overheads += [float(row["wall_time_s"]) - float(row["train_time_s"])
+                                      for row in csv.DictReader(f)]
+                print(f"[{r + 1}/{repeats}] launchers {name:15s} wall {wall:.1f}s",
+                      file=sys.stderr, flush=True)
+    jobs = 1
+    for value in sweep:
+        if "," in value:
+            jobs *= value.count(",") + 1
+    basic = statistics.median(walls["basic"])
+    lines = [f"launchers: a {jobs}-job sweep ({' '.join(sweep)}, digits, one worker a job), "
+             f"launch to exit, medians of {repeats} alternating run(s); "
+             f"{os.cpu_count()} cores", "",
+             "| launcher | sweep wall s | wall / basic |", "|---|---|---|"]
+    for name, values in walls.items():
+        wall = statistics.median(values)
+        lines.append(f"| {name} | {wall:.1f} | {wall / basic:.2f} |")
+    ddp = statistics.median(walls["ddp (defaults)"]) / basic
+    worst = max(overheads)
+    lines += ["", f"sweep: ddp launcher at its defaults / basic = {ddp:.2f} (target <= 0.9: "
+              f"{'met' if ddp <= 0.9 else 'NOT met'}); a job's wall - train time: median "
+              f"{statistics.median(overheads):.2f} s, most {worst:.2f} s (target < 1 s: "
+              f"{'met' if worst < 1.0 else 'NOT met'})"]
+    if "joblib" not in walls:
+        lines.append("skipped: joblib (hydra-joblib-launcher is not installed)")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------- the fsdp case
@@ -634,7 +710,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--cases", nargs="+", default=None,
                    help="a subset of: overhead compute startup sweep search (--quick runs search "
                         "only when named; with --gpu: gpu-fp32 gpu-bf16 gpu-dp gpu-fsdp gpu-compile; fsdp: "
-                        "the memory case, loggers: a tracker's cost per step, each only when named)")
+                        "the memory case, loggers: a tracker's cost per step, launchers: an 8-job "
+                        "sweep under ddpexp's and Hydra's launchers, each only when named)")
     p.add_argument("--peers", action="store_true",
                    help="add Lightning (scripts/lightning_ddp.py) where it is installed")
     p.add_argument("--gpu", action="store_true", help="the GPU cases instead of the CPU ones")
@@ -652,7 +729,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     repeats = args.repeats or (1 if args.quick or args.dry_run else 3)
     skipped: list[str] = []
-    with_search = with_fsdp = with_loggers = False
+    with_search = with_fsdp = with_loggers = with_launchers = False
     if args.gpu:
         cases, skipped = gpu_cases(args.dry_run, args.cases)
         if not args.dry_run:
@@ -665,7 +742,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         with_search = SEARCH in (args.cases or ([] if args.quick else [SEARCH]))
         with_fsdp = FSDP in (args.cases or [])
         with_loggers = LOGGERS in (args.cases or [])
-        others = [c for c in args.cases or [] if c not in (SEARCH, FSDP, LOGGERS)]
+        with_launchers = LAUNCHERS in (args.cases or [])
+        others = [c for c in args.cases or [] if c not in (SEARCH, FSDP, LOGGERS, LAUNCHERS)]
         cases = make_cases(args.quick, others or None) if others or not args.cases else []
     peers = args.peers and lightning_installed()
     if args.peers and not peers:
@@ -681,7 +759,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         for r in range(repeats):
             for case in cases:
                 # Rotate who goes first, so that a drift in machine load hits every runner.
-                runners = runners_for(case, peers)
+                runners = runners_for(case, peers, quick=args.quick)
                 shift = r % len(runners)
                 for runner in runners[shift:] + runners[:shift]:
                     run = run_one(runner, case, work, env, f"{case.name}-{r}", args.timeout)
@@ -707,6 +785,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     if with_loggers:
         print()
         print(loggers_bench(args.quick, repeats, env, args.timeout))
+    if with_launchers:
+        print()
+        print(launchers_bench(args.quick, repeats, env, args.timeout))
     if args.json:
         Path(args.json).write_text(json.dumps(
             {f"{c}/{r}": [vars(x) for x in runs] for (c, r), runs in res.runs.items()}, indent=2))

@@ -44,12 +44,15 @@ def install() -> None:
         missing = [b for b in BINARIES if not shutil.which(b)]
         raise Unavailable(f"{', '.join(missing)} missing and not root with apt-get to install "
                           f"{' '.join(PACKAGES)}")
+    from helpers.host import apt_lock
+
     cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:  # a clean image may have no package lists yet
-        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=600)
+    with apt_lock():
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:  # a clean image may have no package lists yet
+            subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=600)
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     if done.returncode != 0 or not all(shutil.which(b) for b in BINARIES):
         raise Unavailable(f"apt-get install {' '.join(PACKAGES)} failed: "
                           + (done.stderr.strip().splitlines() or ["no output"])[-1])

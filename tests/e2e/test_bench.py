@@ -44,7 +44,7 @@ def test_bench_quick_prints_every_figure(tmp_path: Path) -> None:
         cells = [c.strip() for c in line.strip("|").split("|")]
         rows[(cells[0].split(" ")[0], cells[1])] = dict(zip(COLUMNS, cells))
     expected = {("overhead", r) for r in ("ddpexp", "ddpexp-dl", "plain")}
-    expected |= {("compute", r) for r in ("ddpexp", "ddpexp-dl", "plain")}
+    expected |= {("compute", r) for r in ("ddpexp", "plain")}
     expected |= {("startup", "ddpexp"), ("startup", "plain"), ("sweep", "ddpexp"), ("sweep", "plain")}
     assert set(rows) == expected
 
@@ -89,3 +89,30 @@ def test_step_overhead_times_both_loops_in_alternation(tmp_path: Path) -> None:
     ratio = re.search(r"speed ratio \(plain time / ddpexp time, totals\): ([\d.]+)", res.stdout)
     assert times and ratio, res.stdout
     assert float(times.group(1)) > 0 and float(times.group(2)) > 0 and float(ratio.group(1)) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_launchers_case_runs_one_sweep_under_each_launcher(tmp_path: Path) -> None:
+    """``--cases launchers --quick``: the same short sweep under ddpexp's launcher at its
+    defaults and under Hydra's basic launcher; a row each and one verdict line."""
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--cases", "launchers"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )
+    res = finish(proc, timeout=280)
+    assert res.returncode == 0, res.output
+    assert not res.leftovers, f"processes left behind: {res.leftovers}"
+    rows = {cells[0]: cells for cells in (
+        [c.strip() for c in line.strip("|").split("|")] for line in res.stdout.splitlines()
+        if line.startswith("| ") and not line.startswith("| launcher"))}
+    assert {"ddp (defaults)", "basic"} <= set(rows), res.stdout
+    assert _number(rows["basic"][2]) == 1.0
+    for cells in rows.values():
+        assert _number(cells[1]) > 0 and _number(cells[2]) > 0
+    verdict = [line for line in res.stdout.splitlines() if line.startswith("sweep:")]
+    assert len(verdict) == 1 and re.search(
+        r"/ basic = [\d.]+ \(target <= 0\.9: (met|NOT met)\); a job's wall - train time: "
+        r"median [\d.]+ s, most [\d.]+ s \(target < 1 s: (met|NOT met)\)", verdict[0]), res.stdout

@@ -141,24 +141,33 @@ def _log_span(log: Path) -> tuple[datetime, datetime]:
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
-def test_max_parallel_runs_jobs_at_once_on_disjoint_cores(workdir: Path) -> None:
-    _, sweep_dir = sweep(workdir, "optimizer.lr=0.01,0.1", "trainer.max_steps=8",
-                         "hydra.launcher.max_parallel=2")
-    cores, spans = [], []
+def test_the_default_packs_jobs_of_one_and_two_workers_without_sharing_a_core(workdir: Path) -> None:
+    """``max_parallel: null``: each job takes a free core per worker and starts as soon as
+    they are free, so two 1-worker jobs run side by side and the 2-worker job gets two cores
+    of its own; no two jobs that run at the same time share a core."""
+    res, sweep_dir = sweep(workdir, "trainer.procs=1,1,2", "trainer.max_steps=8")
+    machine = set(os.sched_getaffinity(0))
+    assert f"as many at once as {len(machine)} cores hold" in res.output
+    jobs = []
     for d in job_dirs(sweep_dir):
-        assert read_metrics(d)["status"] == "completed"
+        metrics = read_metrics(d)
+        assert metrics["status"] == "completed"
         log = (d / "ddpexp.log").read_text()
         # Logged by the job process itself from os.sched_getaffinity.
         found = re.search(r"job \d+: pid \d+, cores ([\d,]+), OMP_NUM_THREADS=(\d+)", log)
         assert found, log
         job_cores = {int(c) for c in found.group(1).split(",")}
-        assert int(found.group(2)) == len(job_cores)
-        cores.append(job_cores)
-        spans.append(_log_span(d / "ddpexp.log"))
-    assert len(cores) == 2 and not cores[0] & cores[1]
-    assert cores[0] | cores[1] <= set(os.sched_getaffinity(0))
-    (start0, end0), (start1, end1) = spans
-    assert start0 < end1 and start1 < end0, f"jobs did not overlap: {spans}"
+        assert len(job_cores) == metrics["world_size"] == int(found.group(2))
+        assert job_cores <= machine
+        jobs.append((job_cores, _log_span(d / "ddpexp.log")))
+    assert [len(c) for c, _ in jobs] == [1, 1, 2]
+    overlap = {(i, j) for (i, (_, (s0, e0))), (j, (_, (s1, e1))) in
+               itertools.combinations(enumerate(jobs), 2) if s0 < e1 and s1 < e0}
+    assert (0, 1) in overlap, f"the two 1-worker jobs did not run side by side: {jobs}"
+    for i, j in overlap:
+        assert not jobs[i][0] & jobs[j][0], f"jobs {i} and {j} shared a core: {jobs}"
+    if len(machine) == 2:
+        assert overlap == {(0, 1)}
 
 
 def test_failing_jobs_do_not_stop_the_others(workdir: Path) -> None:
@@ -186,7 +195,7 @@ def test_failing_jobs_do_not_stop_the_others(workdir: Path) -> None:
 
 def test_fail_fast_stops_launching(workdir: Path) -> None:
     res, sweep_dir = sweep(workdir, "trainer.max_epochs=0,1", "hydra.launcher.fail_fast=true",
-                           expect_ok=False)
+                           "hydra.launcher.max_parallel=1", expect_ok=False)
     assert res.returncode != 0
     assert not (sweep_dir / "1").exists()
     rows = {r["job"]: r for r in summary_rows(sweep_dir)}
@@ -216,7 +225,8 @@ def test_interrupted_sweep_resumes(workdir: Path) -> None:
     sweep_dir = workdir / "sweep"
     # Job 1 is long enough to be stopped mid-run; each epoch is 16 steps.
     args = ["-m", *TINY, "data.num_samples=256", "trainer.max_epochs=100",
-            "trainer.max_steps=2,300,2", f"hydra.sweep.dir={sweep_dir}"]
+            "trainer.max_steps=2,300,2", "hydra.launcher.max_parallel=1",
+            f"hydra.sweep.dir={sweep_dir}"]
     proc = start_cli(args, workdir)
     deadline = time.time() + 240
     while not (sweep_dir / "1" / "checkpoints" / "last.pt").exists():

@@ -220,6 +220,7 @@ def test_fail_fast_stops_the_search_at_the_first_failed_trial(workdir: Path) -> 
     _study(sweep_dir).enqueue_trial({"optimizer.lr": -1.0})
     res = run_cli(["-m", *QUICK, "resume=auto", f"hydra.sweep.dir={sweep_dir}",
                    "hydra.sweeper.n_trials=3", "hydra.launcher.fail_fast=true",
+                   "hydra.launcher.max_parallel=1",
                    "optimizer.lr=choice(0.1,-1.0)", "trainer.max_epochs=1"],
                   workdir, timeout=200, expect_ok=False)
     assert res.returncode != 0

@@ -96,10 +96,13 @@ def mpirun() -> str:
     """OpenMPI's mpirun, installed with apt-get where it is missing (as root)."""
     found = shutil.which("mpirun")
     if found is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        from helpers.host import apt_lock
+
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True, timeout=300)
-        subprocess.run(["apt-get", "install", "-y", "-qq", "openmpi-bin"], env=env,
-                       capture_output=True, timeout=600)
+        with apt_lock():
+            subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True, timeout=300)
+            subprocess.run(["apt-get", "install", "-y", "-qq", "openmpi-bin"], env=env,
+                           capture_output=True, timeout=600)
         found = shutil.which("mpirun")
     if found is None:
         pytest.skip("OpenMPI's mpirun is missing and could not be installed (needs root and apt-get)")

@@ -68,6 +68,75 @@ def test_add_gpus(cores):
     assert s.take(1) == ([0], ["3"])
 
 
+def test_packing_gives_each_job_a_core_per_worker_and_never_more_than_there_are(cores):
+    cores(4)
+    s = pool.Packing([])
+    two = s.take(0, workers=2)
+    one = s.take(0, workers=1)
+    assert two == ([0, 1], []) and one == ([2], [])
+    assert s.take(0, workers=2) is None  # one core left: a 2-worker job waits
+    assert s.take(0, workers=1) == ([3], [])
+    assert s.free == 0 and s.take(0) is None
+    s.give_back(*two)
+    assert s.free_cores == [0, 1] and s.take(0, workers=2) == ([0, 1], [])
+
+
+def test_packing_gives_a_job_larger_than_the_machine_all_of_it_once_idle(cores):
+    cores(2)
+    s = pool.Packing([])
+    first = s.take(0, workers=1)
+    assert s.take(0, workers=4) is None
+    s.give_back(*first)
+    assert s.take(0, workers=4) == ([0, 1], [])
+
+
+def test_packing_on_a_gpu_box_takes_free_gpus_and_their_share_of_the_cores(cores):
+    cores(8)
+    s = pool.Packing(["0", "1", "2", "3"])
+    a = s.take(1, workers=1)
+    b = s.take(2, workers=2)
+    assert a == ([0, 1], ["0"]) and b == ([2, 3, 4, 5], ["1", "2"])
+    assert s.take(2, workers=2) is None  # one GPU left
+    cpu = s.take(0, workers=1)  # a CPU job of the sweep still fits beside them
+    assert cpu == ([6], [])
+    s.give_back(*b)
+    assert s.take(2, workers=2) == ([2, 3, 4, 5], ["1", "2"])
+
+
+def test_packing_starts_no_job_below_the_memory_a_finished_job_peaked_at(cores, monkeypatch):
+    cores(4)
+    free = {"bytes": 8 << 30}
+    monkeypatch.setattr(pool, "available_memory", lambda: free["bytes"])
+    s = pool.Packing([])
+    first = s.take(0)
+    s.saw_peak(6 << 30)
+    assert s.take(0) == ([1], [])  # 8 GiB available, a job peaked at 6
+    free["bytes"] = 5 << 30
+    assert s.take(0) is None
+    s.give_back(*first)
+    s.give_back([1], [])
+    assert s.take(0) == ([0], [])  # an idle machine always starts the next job
+
+
+def test_max_parallel_chooses_equal_slices_and_null_packs(cores):
+    from types import SimpleNamespace
+
+    cores(4)
+    assert isinstance(pool.make_slices(SimpleNamespace(max_parallel=None)), pool.Packing)
+    slices = pool.make_slices(SimpleNamespace(max_parallel=2))
+    assert isinstance(slices, pool.Slices) and slices.free_cores == [[0, 1], [2, 3]]
+
+
+@pytest.mark.parametrize("trainer,workers", [
+    ({}, 1), ({"procs": 2}, 2), ({"procs": None, "gpus": 3}, 3), ({"procs": 1, "gpus": 0}, 1),
+    ({"strategy": "dp", "gpus": 4}, 1),
+])
+def test_a_jobs_workers_come_from_its_trainer(trainer, workers):
+    from omegaconf import OmegaConf
+
+    assert pool.job_workers(OmegaConf.create({"trainer": trainer})) == workers
+
+
 def test_fork_server_refuses_to_fork_with_a_thread_running():
     """The server forks only while it has no Python thread besides its main one and no
     native thread more than after its imports."""

@@ -1,12 +1,13 @@
 """Sweep jobs forked from a process that has already imported torch, Hydra and ddpexp.
 
 A fresh interpreter spends seconds importing torch, Hydra, ddpexp and what a run imports on
-its way (TensorBoard, the datasets' library, torch's compiler stack, which its optimizers
-load): a sweep of short jobs paid that once per job. The ddp launcher instead starts one
-server process (``python -m ddpexp.sweep.forkserver``) at the start of a sweep; it imports
-all of that once and then only forks. Each forked child is a job process as
-``python -m ddpexp.sweep.job`` would be: it puts itself in a process group of its own, takes
-the launcher's environment for the job (its GPUs, thread counts), resets the signal
+its way (TensorBoard, torch's compiler stack, which its optimizers load): a sweep of short
+jobs paid that once per job. The ddp launcher instead starts one server process (``python -m
+ddpexp.sweep.forkserver``) at the start of a sweep; it imports all of that once and then only
+forks (for a sweep of another app, only Hydra and the modules ``hydra.launcher.preload``
+names: that app's jobs import what they need themselves). Each forked child is a job process
+as ``python -m ddpexp.sweep.job`` would be: it puts itself in a process group of its own,
+takes the launcher's environment for the job (its GPUs, thread counts), resets the signal
 handlers and runs :func:`ddpexp.sweep.job.main`, which sets the job's CPU affinity, and the
 worker its thread count, before any tensor op.
 
@@ -39,20 +40,22 @@ from typing import Any, Dict, List, Optional, Sequence
 
 log = logging.getLogger("hydra_plugins.ddpexp_launcher")
 
-# What every job imports on its way to the first step, imported once in the server.
+# What every job imports on its way to its task function, imported once in the server.
+BASE = ("hydra", "cloudpickle", "ddpexp.sweep.job")
+# What a ddpexp run imports on its way to the first step: preloaded for sweeps of ddpexp's
+# own app (another app's jobs, Hydra's test apps among them, need not pay for torch).
 PRELOAD = (
     "torch",
     "torch._dynamo",  # torch's optimizers import it when they are built
     "torch.utils.tensorboard",
-    "hydra",
-    "cloudpickle",
-    "ddpexp.sweep.job",
     "ddpexp.launch.fanout",
     "ddpexp.launch.worker",
     "ddpexp.training.trainer",
     "ddpexp.data.sources",
     "ddpexp.loggers",
 )
+# The argument that tells the server to import BASE and the caller's modules only.
+LIGHT = "--light"
 # How long a sweep waits at its start for the server's imports before its jobs start afresh.
 READY_TIMEOUT_S = 120.0
 # In a forked job process: the pid of the server it was forked from (None elsewhere).
@@ -82,8 +85,10 @@ def serve(requests: int, replies: int, preload: Sequence[str]) -> int:
     def say(message: dict) -> None:
         out.write(json.dumps(message) + "\n")
 
+    light = LIGHT in preload
+    modules = [*BASE, *([] if light else PRELOAD), *(m for m in preload if m != LIGHT)]
     try:
-        for name in (*PRELOAD, *preload):
+        for name in modules:
             importlib.import_module(name)
     except Exception as exc:  # noqa: BLE001 - any import failure means: start jobs afresh
         say({"failed": f"importing {name} raised {type(exc).__name__}: {exc}"})
@@ -196,8 +201,10 @@ class ForkServer:
     server that cannot start, or that refuses a fork, makes :meth:`spawn` return None from
     then on (the job starts in a fresh interpreter), after one warning."""
 
-    def __init__(self, preload: Sequence[str] = ()) -> None:
-        self.preload = list(preload)
+    def __init__(self, preload: Sequence[str] = (), torch: bool = True) -> None:
+        """``preload``: modules the server imports besides :data:`BASE`; ``torch``: import
+        :data:`PRELOAD` (torch and ddpexp's run) too."""
+        self.preload = list(preload) + ([] if torch else [LIGHT])
         self.proc: Optional[subprocess.Popen] = None
         self.broken: Optional[str] = None
         self._to_server: Optional[int] = None

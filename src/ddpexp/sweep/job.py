@@ -13,6 +13,7 @@ this process's affinity, thread variables and visible GPUs.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import sys
@@ -66,6 +67,20 @@ def _portable(ret: Any) -> bytes:
         return cloudpickle.dumps(ret)
 
 
+def peak_bytes(config: Any) -> int:
+    """The most memory this job's processes held: this process's peak plus, for a run that
+    started workers, the largest worker's peak once per worker (the launcher starts no job
+    while less than a finished job's peak is available)."""
+    import resource
+
+    from ddpexp.sweep.pool import job_workers
+
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    workers = job_workers(config) if child else 0
+    return (own + child * workers) * 1024  # ru_maxrss is in KiB on Linux
+
+
 def main(spec_path: str, result_path: str) -> int:
     """Run the job described in ``spec_path``; write its JobReturn to ``result_path``."""
     with open(spec_path, "rb") as f:
@@ -103,6 +118,8 @@ def main(spec_path: str, result_path: str) -> int:
                 "job %s failed:\n%s", config.hydra.job.num,
                 "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip())
     data = _portable(ret)
+    with open(result_path + ".peak", "w") as f:
+        json.dump({"peak_bytes": peak_bytes(config)}, f)
     tmp = result_path + ".tmp"
     with open(tmp, "wb") as f:
         f.write(data)

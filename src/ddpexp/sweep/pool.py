@@ -69,13 +69,14 @@ class SweepInterrupted(CompactHydraException):
 
 # ------------------------------------------------------------------------------ slices
 class Slices:
-    """The machine cut into ``parallel`` disjoint CPU core sets, plus a pool of GPU ids.
+    """The machine cut into ``parallel`` disjoint CPU core sets, plus a pool of GPU ids
+    (an explicit ``max_parallel``).
 
     A job takes one core set and ``gpus`` GPU ids and gives them back when it ends.
     """
 
     def __init__(self, parallel: int, gpu_ids: Sequence[str]) -> None:
-        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        cores = _cores()
         n = max(1, min(parallel, len(cores) or parallel))
         if cores and parallel > len(cores):
             log.warning("max_parallel=%d but this process may use %d cores: running %d jobs "
@@ -94,20 +95,22 @@ class Slices:
         self.all_gpus = list(gpu_ids)
         self.free_gpus = list(gpu_ids)
 
-    def take(self, gpus: int) -> Optional[tuple]:
+    @property
+    def free(self) -> int:
+        """Core sets not in use."""
+        return len(self.free_cores)
+
+    def take(self, gpus: int, workers: int = 1) -> Optional[tuple]:
         """A (cores, gpu ids) slice for a job that needs ``gpus`` GPUs, or None to wait.
         A job asking for more GPUs than the pool holds gets the whole pool when it is idle,
         so that it fails with its own clear message instead of waiting forever."""
         if not self.free_cores:
             return None
-        if gpus > len(self.all_gpus):
-            if len(self.free_gpus) < len(self.all_gpus):
-                return None
-            gpus = len(self.all_gpus)
-        if gpus > len(self.free_gpus):
+        fit = _fit(gpus, self.free_gpus, self.all_gpus)
+        if fit is None:
             return None
         cores = self.free_cores.pop(0)
-        ids, self.free_gpus = self.free_gpus[:gpus], self.free_gpus[gpus:]
+        ids, self.free_gpus = self.free_gpus[:fit], self.free_gpus[fit:]
         return cores, ids
 
     def add_gpus(self, gpu_ids: Sequence[str]) -> None:
@@ -119,6 +122,127 @@ class Slices:
         self.free_cores.append(cores)
         self.free_cores.sort()
         self.free_gpus = [g for g in self.all_gpus if g in set(self.free_gpus) | set(ids)]
+
+    def describe(self) -> str:
+        return f"up to {len(self.free_cores)} at once"
+
+
+class Packing:
+    """The machine as free cores and GPUs (``max_parallel: null``): a job takes ``gpus``
+    free GPUs and a core per worker (on a GPU box, at least its GPUs' share of the cores),
+    and starts as soon as they are free, so that jobs of different sizes pack the machine.
+    No job starts while the memory available is below the largest peak a finished job of the
+    sweep reached (:meth:`saw_peak`).
+
+    A job that needs more than the machine has gets all of it once the machine is idle (it
+    then fails, or oversubscribes, with its own message instead of waiting forever)."""
+
+    split = True
+
+    def __init__(self, gpu_ids: Sequence[str]) -> None:
+        self.all_cores = _cores()
+        self.free_cores = list(self.all_cores)
+        self.all_gpus = list(gpu_ids)
+        self.free_gpus = list(gpu_ids)
+        self.peak_bytes = 0
+        self._memory_said = False
+
+    @property
+    def free(self) -> int:
+        """Free cores: the workers a job started now could have."""
+        return len(self.free_cores) if self.all_cores else 1
+
+    def cores_for(self, gpus: int, workers: int) -> int:
+        need = max(1, workers)
+        if gpus > 0 and self.all_gpus and self.all_cores:
+            need = max(need, len(self.all_cores) * min(gpus, len(self.all_gpus))
+                       // len(self.all_gpus))
+        return min(need, len(self.all_cores)) if self.all_cores else 0
+
+    def take(self, gpus: int, workers: int = 1) -> Optional[tuple]:
+        idle = len(self.free_cores) == len(self.all_cores) and len(self.free_gpus) == len(self.all_gpus)
+        if not idle and self.peak_bytes and available_memory() < self.peak_bytes:
+            if not self._memory_said:
+                self._memory_said = True
+                log.info("waiting for memory: %.1f GiB available, a finished job peaked at "
+                         "%.1f GiB", available_memory() / 2**30, self.peak_bytes / 2**30)
+            return None
+        n = self.cores_for(gpus, workers)
+        if n > len(self.free_cores):
+            return None
+        fit = _fit(gpus, self.free_gpus, self.all_gpus)
+        if fit is None:
+            return None
+        cores, self.free_cores = self.free_cores[:n], self.free_cores[n:]
+        ids, self.free_gpus = self.free_gpus[:fit], self.free_gpus[fit:]
+        self._memory_said = False
+        return cores, ids
+
+    def add_gpus(self, gpu_ids: Sequence[str]) -> None:
+        self.all_gpus = list(gpu_ids)
+        self.free_gpus = list(gpu_ids)
+
+    def give_back(self, cores: List[int], ids: List[str]) -> None:
+        self.free_cores = sorted(set(self.free_cores) | set(cores))
+        self.free_gpus = [g for g in self.all_gpus if g in set(self.free_gpus) | set(ids)]
+
+    def saw_peak(self, peak_bytes: int) -> None:
+        """A finished job's peak memory: later jobs start only while this much is available."""
+        self.peak_bytes = max(self.peak_bytes, int(peak_bytes))
+
+    def describe(self) -> str:
+        where = f"{len(self.all_cores)} cores" if self.all_cores else "the CPU"
+        if self.all_gpus:
+            where += f" and {len(self.all_gpus)} GPUs"
+        return (f"as many at once as {where} hold (trainer.gpus GPUs and a core per worker "
+                "each; hydra.launcher.max_parallel=K for K equal slices)")
+
+
+def _fit(gpus: int, free: List[str], every: List[str]) -> Optional[int]:
+    """The GPUs a job asking for ``gpus`` gets now, or None to wait: the whole pool (once
+    idle) for one asking for more than the pool holds."""
+    if gpus > len(every):
+        return len(every) if len(free) == len(every) else None
+    return gpus if gpus <= len(free) else None
+
+
+def _cores() -> List[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+def available_memory() -> int:
+    """Bytes of memory available to new processes (``MemAvailable``); a large number where
+    the system does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
+def make_slices(launcher: Any) -> "Slices | Packing":
+    """The launcher's way of sharing the machine: K equal slices for ``max_parallel=K``,
+    packing for ``max_parallel: null``."""
+    parallel = getattr(launcher, "max_parallel", None)
+    return Packing([]) if parallel is None else Slices(max(1, int(parallel)), [])
+
+
+def job_workers(cfg: Any) -> int:
+    """The worker processes a job's run starts on this machine (a core each, when packing)."""
+    trainer = OmegaConf.select(cfg, "trainer", default=None)
+    if trainer is None:
+        return 1
+    procs = OmegaConf.select(trainer, "procs", default=None)
+    gpus = int(OmegaConf.select(trainer, "gpus", default=0) or 0)
+    if str(OmegaConf.select(trainer, "strategy", default="auto")) == "dp":
+        return 1
+    try:
+        return max(1, int(procs)) if procs is not None else max(1, gpus)
+    except (TypeError, ValueError):
+        return 1
 
 
 def _gpu_pool(limit: Optional[int]) -> List[str]:
@@ -143,6 +267,8 @@ class Job:
     config: Optional[DictConfig] = None
     dir: Optional[Path] = None
     gpus: int = 0
+    # Its run's worker processes on this machine: a core each when the launcher packs.
+    workers: int = 1
     ret: Optional[JobReturn] = None
     proc: Optional[subprocess.Popen | ForkedJob] = None
     slice: Optional[tuple] = None
@@ -157,6 +283,8 @@ class Job:
     stop_signal: Optional[str] = None
     # The signal that interrupted the job (it ended without failing), once it has ended.
     interrupted_by: Optional[str] = None
+    # The most memory the job's processes held, as the job measured it (0: not known).
+    peak_bytes: int = 0
 
     @property
     def label(self) -> str:
@@ -179,13 +307,14 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
     job, in order (a failed job's ``return_value`` raises its exception)."""
     sweep_dir = begin(launcher)
     _prepare_loggers(launcher.config, sweep_dir)
-    log.info("ddp launcher: %d job(s) in %s, up to %d at once", len(job_overrides), sweep_dir,
-             max(1, int(launcher.max_parallel)))
+    pool = Pool(launcher)
+    log.info("ddp launcher: %d job(s) in %s, %s", len(job_overrides), sweep_dir,
+             pool.slices.describe())
     jobs = [prepare(launcher, list(o), i, sweep_dir)
             for i, o in enumerate(job_overrides, start=initial_job_idx)]
     pending = [j for j in jobs if j.ret is None]
     failed = any(j.ret is not None and j.outcome == "failed" for j in jobs)
-    with Pool(launcher) as pool:
+    with pool:
         while pending or pool.running:
             if not pool.stopped and not (launcher.fail_fast and failed):
                 while pending and pool.start(pending[0]):
@@ -244,7 +373,7 @@ class Pool:
 
     def __init__(self, launcher: Any) -> None:
         self.launcher = launcher
-        self.slices = Slices(max(1, int(launcher.max_parallel)), [])
+        self.slices = make_slices(launcher)
         self.running: List[Job] = []
         self._gpus_known = False
         self._signals = _StopSignals()
@@ -254,7 +383,10 @@ class Pool:
     def __enter__(self) -> "Pool":
         self._workdir = Path(tempfile.mkdtemp(prefix="ddp-launcher-"))
         if getattr(self.launcher, "fork", True):
-            self._server = ForkServer(getattr(self.launcher, "preload", None) or ())
+            # ddpexp's own app (its config has a trainer): torch and the run, preloaded.
+            ddpexp_app = OmegaConf.select(self.launcher.config, "trainer") is not None
+            self._server = ForkServer(getattr(self.launcher, "preload", None) or (),
+                                      torch=ddpexp_app)
             self._server.start()
             self._server.wait_ready()
         self._signals.__enter__()
@@ -281,8 +413,9 @@ class Pool:
 
     @property
     def free(self) -> int:
-        """Core slices not in use (a job also needs its GPUs free to start)."""
-        return len(self.slices.free_cores)
+        """Room for another job now: free core slices, or free cores when packing (a job
+        also needs its GPUs, and its cores when packing, free to start)."""
+        return self.slices.free
 
     def start(self, job: Job) -> bool:
         """Start ``job`` on a free slice; False (nothing started) when none fits it now."""
@@ -290,7 +423,7 @@ class Pool:
             # Only a sweep that asks for GPUs looks for them (and imports torch to count them).
             self.slices.add_gpus(_gpu_pool(self.launcher.gpus))
             self._gpus_known = True
-        taken = self.slices.take(job.gpus)
+        taken = self.slices.take(job.gpus, job.workers)
         if taken is None:
             return False
         assert self._workdir is not None, "Pool.start() outside its with block"
@@ -307,6 +440,8 @@ class Pool:
             for job in list(self.running):
                 if job.proc.poll() is not None:  # type: ignore[union-attr]  # a running job has its process
                     _finish(job)
+                    if job.peak_bytes and isinstance(self.slices, Packing):
+                        self.slices.saw_peak(job.peak_bytes)
                     self.slices.give_back(*job.slice)  # type: ignore[misc]  # a started job holds its slice
                     self.running.remove(job)
                     ended.append(job)
@@ -333,6 +468,7 @@ def prepare(launcher: Any, overrides: List[str], idx: int, sweep_dir: Path) -> J
         job.config = cfg
         job.dir = sweep_dir / str(cfg.hydra.sweep.subdir)
         job.gpus = int(OmegaConf.select(cfg, "trainer.gpus", default=0) or 0)
+        job.workers = job_workers(cfg)
     except Exception as exc:  # noqa: BLE001 - whatever composing raises fails this job only
         job.ret = JobReturn(overrides=overrides, status=JobStatus.FAILED, _return_value=exc)
         return job
@@ -404,7 +540,7 @@ def _start(launcher: Any, job: Job, taken: tuple, split: bool, workdir: Path,
     if job.gpus > 0:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
     log.info("\t%s%s", job.label, _where(cores if split else [], gpu_ids))
-    job.files = [str(spec_path), str(result_path)]
+    job.files = [str(spec_path), str(result_path), f"{result_path}.peak"]
     # Its own process group (same session): one killpg stops the job and all its workers.
     group: dict[str, Any] = ({"process_group": 0} if sys.version_info >= (3, 11)
                              else {"preexec_fn": os.setpgrp})
@@ -459,6 +595,7 @@ def _finish(job: Job) -> None:
     # Workers of a job that died abruptly may outlive it: nothing of a job survives it.
     _signal_group(job, signal.SIGKILL)
     result_path = Path(job.files[1])
+    job.peak_bytes = _peak(result_path)
     ret: Optional[JobReturn] = None
     if result_path.is_file():
         import cloudpickle
@@ -501,6 +638,14 @@ def _finish(job: Job) -> None:
     job.interrupted_by = _interruption(job, code)
     log.info("\t#%d ended (%s) after %.1f s", job.idx, job.outcome + (
         f" by {job.interrupted_by}" if job.interrupted_by else ""), job.ended - job.started)
+
+
+def _peak(result_path: Path) -> int:
+    """The peak memory a job wrote beside its result (:func:`ddpexp.sweep.job.peak_bytes`)."""
+    try:
+        return int(json.loads(Path(f"{result_path}.peak").read_text())["peak_bytes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
 
 
 def _interruption(job: Job, code: int) -> Optional[str]:

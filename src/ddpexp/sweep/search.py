@@ -3,9 +3,10 @@ hands over to inside ``sweep()``.
 
 An optuna study in ``<sweep dir>/optuna.journal`` (optuna's journal file storage: several
 processes may read and write it, no database server) is driven by ask/tell on the ddp
-launcher's :class:`~ddpexp.sweep.pool.Pool`: whenever a slot is free a trial
-is asked and its job started, and whenever a job ends its trial is told. So ``max_parallel``
-trials run at every moment until ``n_trials`` have been asked. Trial N runs in the sweep's
+launcher's :class:`~ddpexp.sweep.pool.Pool`: whenever there is room for a job a
+trial is asked and its job started, and whenever a job ends its trial is told. So the machine
+stays full (``max_parallel: null``), or ``max_parallel`` trials run, at every moment until
+``n_trials`` have been asked. Trial N runs in the sweep's
 job dir N. Each job process gets the trial's identity in its environment
 (:mod:`ddpexp.callbacks.pruning`), so its rank 0 reports every epoch and the pruner can stop it.
 
@@ -157,10 +158,11 @@ class _Search:
             grid = sweep_space.grid(self.space)
             n_trials = min(n_trials, math.prod(len(v) for v in grid.values()))
         self.to_ask = max(0, n_trials - done - len(self.cut_off))
+        pool = sweep_pool.Pool(self.launcher)
         log.info("optuna_async: study %r in %s: %d trial(s) done before, %d to resume, %d to "
-                 "ask, up to %d at once", self.study.study_name, self.sweep_dir / JOURNAL, done,
-                 len(self.cut_off), self.to_ask, max(1, int(self.launcher.max_parallel)))
-        with sweep_pool.Pool(self.launcher) as pool:
+                 "ask, %s", self.study.study_name, self.sweep_dir / JOURNAL, done,
+                 len(self.cut_off), self.to_ask, pool.slices.describe())
+        with pool:
             waiting = self._fill(pool, None)
             while pool.running:
                 ended = pool.wait_any()

@@ -11,8 +11,10 @@ class DdpLauncherConf:
     """``hydra.launcher.*`` keys of the ddp launcher."""
 
     _target_: str = "hydra_plugins.ddpexp_launcher.ddp_launcher.DdpLauncher"
-    # Sweep jobs run at once, each on its own slice of the GPUs (or CPU cores).
-    max_parallel: int = 1
+    # Sweep jobs at once. null: as many as the machine holds (a job takes trainer.gpus free
+    # GPUs and a core per worker, while memory lasts); K: K jobs, each on its own equal
+    # slice of the GPUs (or CPU cores).
+    max_parallel: Optional[int] = None
     # Stop launching new jobs after the first failure (the jobs already running finish).
     fail_fast: bool = False
     # GPUs the sweep may use (null = all visible); each job takes trainer.gpus of them.

@@ -11,10 +11,11 @@ from omegaconf import DictConfig
 
 
 class DdpLauncher(Launcher):
-    """Runs each sweep job as its own process (which fans out its own DDP workers), up to
-    ``max_parallel`` at a time on disjoint slices of the machine, and summarises the sweep."""
+    """Runs each sweep job as its own process (which fans out its own DDP workers), as many
+    at once as the machine holds (``max_parallel: null``) or ``max_parallel`` at a time on
+    equal slices of the machine, and summarises the sweep."""
 
-    def __init__(self, max_parallel: int = 1, fail_fast: bool = False,
+    def __init__(self, max_parallel: Optional[int] = None, fail_fast: bool = False,
                  gpus: Optional[int] = None, timeout_s: Optional[float] = None,
                  kill_grace_s: float = 30.0, fork: bool = True,
                  preload: Optional[Sequence[str]] = None) -> None:
