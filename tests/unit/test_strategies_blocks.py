@@ -58,6 +58,16 @@ def test_wrap_by_class_name():
     assert find_blocks(m, ["Linear"]) == [m.inp, m.blocks[0].lin, m.blocks[1].lin, m.head]
 
 
+def test_wrap_takes_one_class_name_as_a_list_of_it():
+    """trainer.fsdp.wrap=Linear: the class Linear, not the letters L, i, n, e, a, r."""
+    from ddpexp.config.compose import composed
+
+    m = Stack(2)
+    assert find_blocks(m, "Linear") == find_blocks(m, ["Linear"])
+    cfg = composed(["trainer.strategy=fsdp", "trainer.fsdp.wrap=Linear"])
+    assert find_blocks(m, cfg.trainer.fsdp.wrap) == [m.inp, m.blocks[0].lin, m.blocks[1].lin, m.head]
+
+
 def test_wrap_keeps_outermost():
     m = Stack(2)
     assert find_blocks(m, ["Block", "Linear"]) == [m.inp, m.blocks[0], m.blocks[1], m.head]

@@ -42,9 +42,10 @@ PRECISIONS = ("32", "bf16", "16")
 class FSDPConfig:
     """``trainer.fsdp.*``: how ``strategy=fsdp`` shards the model (docs/config.md)."""
 
-    # Class names of the modules sharded as units, before the root; None = the model's
-    # ddpexp_blocks(), else the built-in rule (ddpexp.strategies.blocks).
-    wrap: Optional[list[str]] = None
+    # Class names of the modules sharded as units, before the root (one name or a list);
+    # None = the model's ddpexp_blocks(), else the built-in rule (ddpexp.strategies.blocks).
+    # Typed Any so that trainer.fsdp.wrap=Linear is accepted as [Linear].
+    wrap: Any = None
     # Free each unit's gathered parameters after its forward (gathered again in backward):
     # less memory, one more all-gather per unit and step.
     reshard_after_forward: bool = True

@@ -18,11 +18,14 @@ from typing import Any, Optional, Sequence, cast
 
 from torch import nn
 
+from ddpexp.config.lists import as_list
 from ddpexp.errors import ConfigError
 
 
-def find_blocks(model: nn.Module, wrap: Optional[Sequence[str]] = None) -> list[nn.Module]:
-    """The blocks of ``model`` by the rules above, outermost first, none nested in another."""
+def find_blocks(model: nn.Module, wrap: Optional[Sequence[str] | str] = None) -> list[nn.Module]:
+    """The blocks of ``model`` by the rules above, outermost first, none nested in another.
+    ``wrap``: class names, or one class name."""
+    wrap = [str(w) for w in as_list(wrap)]
     if wrap:
         names = set(wrap)
         blocks = [m for m in model.modules() if type(m).__name__ in names and m is not model]
