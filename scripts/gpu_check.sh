@@ -107,7 +107,10 @@ else
 fi
 run_step bench 240 "$PY" scripts/bench.py "${BENCH[@]}" --json "$OUT_DIR/bench.json" \
   > "$OUT_DIR/bench.md" 2> "$OUT_DIR/bench.log"
-run_step "pytest -m gpu" 200 "$PY" -m pytest -m gpu -q -p no:cacheprovider --timeout 180 tests \
+# One process (-o addopts: the GPU machine's pytest may have no pytest-xdist, and the GPU
+# tests share one device).
+run_step "pytest -m gpu" 200 "$PY" -m pytest -o addopts="-ra --strict-markers" -m gpu -q \
+  -p no:cacheprovider --timeout 180 tests \
   > "$OUT_DIR/pytest.txt" 2>&1
 if [ "${#COMPILE[@]}" -gt 0 ]; then
   run_step "bench compile" 240 "$PY" scripts/bench.py "${COMPILE[@]}" \

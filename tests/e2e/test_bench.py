@@ -29,14 +29,18 @@ def _number(cell: str) -> float:
 def test_bench_quick_prints_every_figure(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick"], cwd=tmp_path, env=env,
+        # Every CPU case, and the launchers case (an 8-job sweep under ddpexp's and Hydra's
+        # launchers, a 2-job one with --quick).
+        [sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--cases", "overhead",
+         "compute", "startup", "sweep", "launchers"], cwd=tmp_path, env=env,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     res = finish(proc, timeout=840)
     assert res.returncode == 0, res.output
     assert not res.leftovers, f"processes left behind: {res.leftovers}"
 
-    lines = [line for line in res.stdout.splitlines() if line.startswith("|")]
+    before, launchers = res.stdout.split("\nlaunchers: ", 1)
+    lines = [line for line in before.splitlines() if line.startswith("|")]
     header = [c.strip() for c in lines[0].strip("|").split("|")]
     assert header == COLUMNS
     rows = {}
@@ -66,11 +70,25 @@ def test_bench_quick_prints_every_figure(tmp_path: Path) -> None:
 
     # One verdict per target, each saying met or NOT met.
     for name in ("overhead", "compute", "startup", "memory", "sweep"):
-        verdict = [line for line in res.stdout.splitlines() if line.startswith(name + ":")]
+        verdict = [line for line in before.splitlines() if line.startswith(name + ":")]
         assert len(verdict) == 1 and re.search(r"(met|NOT met)", verdict[0]), res.stdout
         if name in ("overhead", "compute"):  # the ratio of each round's pair, too
             assert re.search(r"round by round [\d.]+ \(median of 1, from [\d.]+ to [\d.]+\)",
                              verdict[0]), verdict[0]
+
+    # The launchers case: the same sweep under ddpexp's launcher at its defaults and Hydra's
+    # basic launcher, a row each, and one verdict line.
+    rows = {cells[0]: cells for cells in (
+        [c.strip() for c in line.strip("|").split("|")] for line in launchers.splitlines()
+        if line.startswith("| ") and not line.startswith("| launcher"))}
+    assert {"ddp (defaults)", "basic"} <= set(rows), launchers
+    assert _number(rows["basic"][2]) == 1.0
+    for cells in rows.values():
+        assert _number(cells[1]) > 0 and _number(cells[2]) > 0
+    verdict = [line for line in launchers.splitlines() if line.startswith("sweep:")]
+    assert len(verdict) == 1 and re.search(
+        r"/ basic = [\d.]+ \(target <= 0\.9: (met|NOT met)\); a job's wall - train time: "
+        r"median [\d.]+ s, most [\d.]+ s \(target < 1 s: (met|NOT met)\)", verdict[0]), launchers
 
 
 @pytest.mark.timeout(300)
@@ -90,29 +108,3 @@ def test_step_overhead_times_both_loops_in_alternation(tmp_path: Path) -> None:
     assert times and ratio, res.stdout
     assert float(times.group(1)) > 0 and float(times.group(2)) > 0 and float(ratio.group(1)) > 0
 
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_bench_launchers_case_runs_one_sweep_under_each_launcher(tmp_path: Path) -> None:
-    """``--cases launchers --quick``: the same short sweep under ddpexp's launcher at its
-    defaults and under Hydra's basic launcher; a row each and one verdict line."""
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--cases", "launchers"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )
-    res = finish(proc, timeout=280)
-    assert res.returncode == 0, res.output
-    assert not res.leftovers, f"processes left behind: {res.leftovers}"
-    rows = {cells[0]: cells for cells in (
-        [c.strip() for c in line.strip("|").split("|")] for line in res.stdout.splitlines()
-        if line.startswith("| ") and not line.startswith("| launcher"))}
-    assert {"ddp (defaults)", "basic"} <= set(rows), res.stdout
-    assert _number(rows["basic"][2]) == 1.0
-    for cells in rows.values():
-        assert _number(cells[1]) > 0 and _number(cells[2]) > 0
-    verdict = [line for line in res.stdout.splitlines() if line.startswith("sweep:")]
-    assert len(verdict) == 1 and re.search(
-        r"/ basic = [\d.]+ \(target <= 0\.9: (met|NOT met)\); a job's wall - train time: "
-        r"median [\d.]+ s, most [\d.]+ s \(target < 1 s: (met|NOT met)\)", verdict[0]), res.stdout
