@@ -306,8 +306,9 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
     """Run the jobs as processes, at most ``max_parallel`` at once; return one JobReturn per
     job, in order (a failed job's ``return_value`` raises its exception)."""
     sweep_dir = begin(launcher)
-    _prepare_loggers(launcher.config, sweep_dir)
     pool = Pool(launcher)
+    pool.start_server()
+    _prepare_loggers(launcher.config, sweep_dir)
     log.info("ddp launcher: %d job(s) in %s, %s", len(job_overrides), sweep_dir,
              pool.slices.describe())
     jobs = [prepare(launcher, list(o), i, sweep_dir)
@@ -380,14 +381,20 @@ class Pool:
         self._workdir: Optional[Path] = None
         self._server: Optional[ForkServer] = None
 
-    def __enter__(self) -> "Pool":
-        self._workdir = Path(tempfile.mkdtemp(prefix="ddp-launcher-"))
-        if getattr(self.launcher, "fork", True):
+    def start_server(self) -> None:
+        """Start the fork server, so that its imports run while the caller prepares the jobs
+        (``__enter__`` starts it where the caller did not)."""
+        if self._server is None and getattr(self.launcher, "fork", True):
             # ddpexp's own app (its config has a trainer): torch and the run, preloaded.
             ddpexp_app = OmegaConf.select(self.launcher.config, "trainer") is not None
             self._server = ForkServer(getattr(self.launcher, "preload", None) or (),
                                       torch=ddpexp_app)
             self._server.start()
+
+    def __enter__(self) -> "Pool":
+        self._workdir = Path(tempfile.mkdtemp(prefix="ddp-launcher-"))
+        self.start_server()
+        if self._server is not None:
             self._server.wait_ready()
         self._signals.__enter__()
         return self
