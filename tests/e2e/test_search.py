@@ -243,10 +243,13 @@ def test_interrupted_search_resumes_to_exactly_n_trials(workdir: Path) -> None:
             "trainer.max_epochs=choice(1,6)", "data.batch_size=choice(8,128)"]
     proc = start_cli(args, workdir)
     deadline = time.time() + 240
-    while not (_status(sweep_dir / "0") == "completed"
-               and (sweep_dir / "1" / "checkpoints" / "last.pt").exists()):
+    # Trial 0 told complete (its metrics.json says so a moment before its process ends and the
+    # search tells the study) and trial 1 past its first checkpoint.
+    while not ((sweep_dir / "1" / "checkpoints" / "last.pt").exists()
+               and _status(sweep_dir / "0") == "completed"
+               and _study(sweep_dir).trials[0].state == TrialState.COMPLETE):
         assert proc.poll() is None and time.time() < deadline, "trial 1 never saved a checkpoint"
-        time.sleep(0.05)
+        time.sleep(0.1)
     proc.send_signal(signal.SIGINT)  # Ctrl-C
     res = finish(proc, timeout=120)
     assert not res.leftovers
