@@ -67,13 +67,32 @@ def _portable(ret: Any) -> bytes:
         return cloudpickle.dumps(ret)
 
 
+def job_workers(cfg: Any) -> int:
+    """The worker processes a job's run starts on this machine (a core each, when packing)."""
+    trainer = _select(cfg, "trainer", default=None)
+    if trainer is None:
+        return 1
+    procs = _select(trainer, "procs", default=None)
+    gpus = int(_select(trainer, "gpus", default=0) or 0)
+    if str(_select(trainer, "strategy", default="auto")) == "dp":
+        return 1
+    try:
+        return max(1, int(procs)) if procs is not None else max(1, gpus)
+    except (TypeError, ValueError):
+        return 1
+
+
+def _select(cfg: Any, key: str, default: Any = None) -> Any:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(cfg, key, default=default)
+
+
 def peak_bytes(config: Any) -> int:
     """The most memory this job's processes held: this process's peak plus, for a run that
     started workers, the largest worker's peak once per worker (the launcher starts no job
     while less than a finished job's peak is available)."""
     import resource
-
-    from ddpexp.sweep.pool import job_workers
 
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss

@@ -47,6 +47,7 @@ from ddpexp.config.rundir import drop_unused_claims
 from ddpexp.config.cli import SWEEP_COMMAND_ENV, continue_sweep, sweep_command
 from ddpexp.errors import RunInterrupted
 from ddpexp.sweep.forkserver import ForkedJob, ForkServer
+from ddpexp.sweep.job import job_workers
 from ddpexp.sweep.summary import job_error, summarize
 from ddpexp.record import FINISHED, JOB_STARTED_ENV, read_metrics_or_empty
 
@@ -228,21 +229,6 @@ def make_slices(launcher: Any) -> "Slices | Packing":
     packing for ``max_parallel: null``."""
     parallel = getattr(launcher, "max_parallel", None)
     return Packing([]) if parallel is None else Slices(max(1, int(parallel)), [])
-
-
-def job_workers(cfg: Any) -> int:
-    """The worker processes a job's run starts on this machine (a core each, when packing)."""
-    trainer = OmegaConf.select(cfg, "trainer", default=None)
-    if trainer is None:
-        return 1
-    procs = OmegaConf.select(trainer, "procs", default=None)
-    gpus = int(OmegaConf.select(trainer, "gpus", default=0) or 0)
-    if str(OmegaConf.select(trainer, "strategy", default="auto")) == "dp":
-        return 1
-    try:
-        return max(1, int(procs)) if procs is not None else max(1, gpus)
-    except (TypeError, ValueError):
-        return 1
 
 
 def _gpu_pool(limit: Optional[int]) -> List[str]:
