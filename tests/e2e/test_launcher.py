@@ -161,13 +161,17 @@ def test_the_default_packs_jobs_of_one_and_two_workers_without_sharing_a_core(wo
         assert job_cores <= machine
         jobs.append((job_cores, _log_span(d / "ddpexp.log")))
     assert [len(c) for c, _ in jobs] == [1, 1, 2]
+    # The launcher started job 1 while job 0 held its core (the order of its own lines; the
+    # jobs' logs alone can miss a tiny job's overlap), and the 2-worker job on 2 cores only
+    # once both had ended.
+    out = res.output
+    assert out.index("\t#1 : ") < out.index("\t#0 ended"), out
+    if len(machine) == 2:
+        assert out.index("\t#2 : ") > max(out.index("\t#0 ended"), out.index("\t#1 ended")), out
     overlap = {(i, j) for (i, (_, (s0, e0))), (j, (_, (s1, e1))) in
                itertools.combinations(enumerate(jobs), 2) if s0 < e1 and s1 < e0}
-    assert (0, 1) in overlap, f"the two 1-worker jobs did not run side by side: {jobs}"
     for i, j in overlap:
         assert not jobs[i][0] & jobs[j][0], f"jobs {i} and {j} shared a core: {jobs}"
-    if len(machine) == 2:
-        assert overlap == {(0, 1)}
 
 
 def test_failing_jobs_do_not_stop_the_others(workdir: Path) -> None:
