@@ -118,6 +118,14 @@ def test_packing_starts_no_job_below_the_memory_a_finished_job_peaked_at(cores, 
     assert s.take(0) == ([0], [])  # an idle machine always starts the next job
 
 
+def test_packing_counts_the_cores_where_there_is_no_affinity_mask(monkeypatch):
+    """Without sched_getaffinity (macOS) packing still starts a job a core, not all at once."""
+    monkeypatch.delattr(pool.os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(pool.os, "cpu_count", lambda: 2)
+    s = pool.Packing([])
+    assert s.take(0) == ([0], []) and s.take(0) == ([1], []) and s.take(0) is None
+
+
 def test_max_parallel_chooses_equal_slices_and_null_packs(cores):
     from types import SimpleNamespace
 

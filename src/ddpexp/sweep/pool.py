@@ -208,7 +208,11 @@ def _fit(gpus: int, free: List[str], every: List[str]) -> Optional[int]:
 
 
 def _cores() -> List[int]:
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    """The cores this process may use; where the system has no affinity mask (macOS), as many
+    as it has (counted, not pinned: the job sets an affinity only where it can)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
 
 
 def available_memory() -> int:
