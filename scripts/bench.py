@@ -194,6 +194,12 @@ def run_command(cmd: list[str], cwd: Path, env: dict, timeout: float) -> tuple[f
                 raise SystemExit(f"timed out after {timeout}s: {' '.join(cmd)}\n{log.read()}")
             time.sleep(0.01)
         wall = time.perf_counter() - start
+        # What the command left behind ends with it: joblib's loky workers outlive the sweep's
+        # process by their idle timeout (300 s) and would hold the next run's cores.
+        try:
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
         proc.returncode = os.waitstatus_to_exitcode(status)
         if proc.returncode != 0:
             log.seek(0)
@@ -508,13 +514,7 @@ def launchers_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str
                 out = Path(tmp) / f"{name.split()[0]}-{r}"
                 cmd = [sys.executable, "-m", "ddpexp", "-m", *sweep, *variants[name],
                        f"hydra.sweep.dir={out}"]
-                start = time.perf_counter()
-                proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True,
-                                      timeout=timeout)
-                wall = time.perf_counter() - start
-                if proc.returncode != 0:
-                    raise SystemExit(f"exit {proc.returncode}: {' '.join(cmd)}\n"
-                                     f"{proc.stdout}{proc.stderr}")
+                _, wall, _ = run_command(cmd, Path(tmp), env, timeout)
                 walls[name].append(wall)
                 if name.startswith("ddp"):
                     with open(out / "summary.csv", newline="") as f:
