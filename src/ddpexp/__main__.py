@@ -1,17 +1,15 @@
 """``python -m ddpexp`` / ``ddpexp``: compose the config with Hydra and hand it to the fan-out."""
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import hydra
-from omegaconf import DictConfig
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
-from ddpexp.config.schema import register_configs
+# Hydra is imported when the command runs, not with this module: a sweep's fork server
+# (ddpexp.sweep.forkserver.start_early) starts first, and imports torch meanwhile.
 
-register_configs()
 
-
-@hydra.main(version_base="1.3", config_path="pkg://ddpexp.conf", config_name="config")
-def main(cfg: DictConfig) -> Optional[float]:
+def task(cfg: "DictConfig") -> Optional[float]:
     """Run one experiment (every job of a sweep calls this); returns the monitored metric
     so that sweepers (ddpexp's optuna_async, Hydra's) can optimise it."""
     from ddpexp.launch.fanout import run
@@ -19,19 +17,45 @@ def main(cfg: DictConfig) -> Optional[float]:
     return run(cfg)
 
 
+def main() -> None:
+    """Hydra's main on :func:`task`: compose the config from the command line and run it,
+    or the sweep it asks for."""
+    import hydra
+
+    from ddpexp.config.schema import register_configs
+
+    register_configs()
+    hydra.main(version_base="1.3", config_path="pkg://ddpexp.conf", config_name="config")(task)()
+
+
 def cli() -> None:
     """Console entry point (``ddpexp`` and ``python -m ddpexp``)."""
+    import sys
+
+    from ddpexp.sweep import forkserver
+
+    # First of all (it is the sweep's longest wait): a sweep's fork server, if it may fork.
+    forkserver.start_early(sys.argv[1:])
+    try:
+        _cli()
+    finally:
+        forkserver.discard_early()  # the command did not sweep through ddpexp's launcher
+
+
+def _cli() -> None:
     import sys
 
     from ddpexp.errors import DdpexpError
     from ddpexp.launch.proc import exit_now
     from ddpexp.launch.world import detect
+    from ddpexp.sweep import forkserver
 
     try:
         world = detect()
     except DdpexpError as exc:
         sys.exit(str(exc))
     if world is not None:
+        forkserver.discard_early()  # every rank of another launcher's world runs one run
         # Another launcher (torchrun, mpirun, srun, env://) started every rank: rank 0 alone
         # reads the command line and runs Hydra; the other ranks run on the config it hands
         # them (ddpexp.launch.ranks).
@@ -59,6 +83,7 @@ def cli() -> None:
         ranks.lead(step, _checked_main)
     else:
         _checked_main()
+    forkserver.discard_early()  # before the exit, which runs no finally
     exit_now(0)  # skips the 1-2 s interpreter teardown of a process that loaded torch
 
 

@@ -328,6 +328,73 @@ class ForkServer:
                 self.proc.wait()
 
 
+    def discard(self) -> None:
+        """End a server no sweep took (:func:`start_early`'s, when the command turned out
+        not to need it): at once, without waiting for its imports."""
+        if self._to_server is not None:
+            os.close(self._to_server)
+            self._to_server = None
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# ------------------------------------------------------------------------------ early start
+# The server :func:`start_early` started for the command's sweep, until a sweep takes it.
+_EARLY: Optional[ForkServer] = None
+# The flags that print instead of running, and another primary config (which may pick another
+# launcher, turn forking off or preload modules of the user's own).
+_NOT_SWEEPING = {"--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i",
+                 "--shell-completion", "-sc", "--config-name", "-cn"}
+
+
+def forks_early(argv: Sequence[str]) -> bool:
+    """Whether a command line is a sweep that may fork ddpexp's jobs from the default server
+    (the ddp launcher, forking on, no modules of the user's own to preload)."""
+    args = list(argv)
+    if not {"-m", "--multirun"} & set(args):
+        return False
+    for arg in args:
+        key, _, value = arg.partition("=")
+        key = key.lstrip("+~")
+        if (arg in _NOT_SWEEPING or key in ("--config-name", "-cn", "hydra.launcher.preload")
+                or (key == "hydra/launcher" and value != "ddp")
+                or (key == "hydra.launcher.fork" and value.lower() != "true")):
+            return False
+    return True
+
+
+def start_early(argv: Sequence[str]) -> None:
+    """Start the fork server of a ``python -m ddpexp -m ...`` sweep as the command starts, so
+    that its imports (torch's take seconds) run while Hydra imports and composes the sweep
+    on the other core. A command that may not sweep through ddpexp's forking launcher
+    (:func:`forks_early`) starts none; one that turns out not to is ended by
+    :func:`discard_early`."""
+    global _EARLY
+    if _EARLY is None and forks_early(argv):
+        _EARLY = ForkServer()
+        _EARLY.start()
+
+
+def adopt_early(preload: Sequence[str], torch: bool) -> Optional[ForkServer]:
+    """The server :func:`start_early` started, for a sweep whose server imports what that
+    one does (torch and ddpexp's run, nothing else); None (and that server ended) otherwise."""
+    global _EARLY
+    server, _EARLY = _EARLY, None
+    if server is not None and (list(preload) or not torch):
+        server.discard()
+        return None
+    return server
+
+
+def discard_early() -> None:
+    """End the early server if no sweep took it."""
+    global _EARLY
+    server, _EARLY = _EARLY, None
+    if server is not None:
+        server.discard()
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -46,7 +46,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from ddpexp.config.rundir import drop_unused_claims
 from ddpexp.config.cli import SWEEP_COMMAND_ENV, continue_sweep, sweep_command
 from ddpexp.errors import RunInterrupted
-from ddpexp.sweep.forkserver import ForkedJob, ForkServer
+from ddpexp.sweep.forkserver import ForkedJob, ForkServer, adopt_early
 from ddpexp.sweep.job import job_workers
 from ddpexp.sweep.summary import job_error, summarize
 from ddpexp.record import FINISHED, JOB_STARTED_ENV, read_metrics_or_empty
@@ -377,9 +377,12 @@ class Pool:
         if self._server is None and getattr(self.launcher, "fork", True):
             # ddpexp's own app (its config has a trainer): torch and the run, preloaded.
             ddpexp_app = OmegaConf.select(self.launcher.config, "trainer") is not None
-            self._server = ForkServer(getattr(self.launcher, "preload", None) or (),
-                                      torch=ddpexp_app)
-            self._server.start()
+            preload = getattr(self.launcher, "preload", None) or ()
+            # The command's own, started as it began (ddpexp.__main__), where it fits.
+            self._server = adopt_early(preload, torch=ddpexp_app)
+            if self._server is None:
+                self._server = ForkServer(preload, torch=ddpexp_app)
+                self._server.start()
 
     def __enter__(self) -> "Pool":
         self._workdir = Path(tempfile.mkdtemp(prefix="ddp-launcher-"))
