@@ -108,9 +108,11 @@ fi
 run_step bench 240 "$PY" scripts/bench.py "${BENCH[@]}" --json "$OUT_DIR/bench.json" \
   > "$OUT_DIR/bench.md" 2> "$OUT_DIR/bench.log"
 # One process (-o addopts: the GPU machine's pytest may have no pytest-xdist, and the GPU
-# tests share one device).
+# tests share one device). Only the files that mark tests gpu are collected: collecting the
+# whole suite imports every test module for nothing.
+mapfile -t GPU_TESTS < <(grep -rlE "mark\.gpu|pytestmark.*gpu" tests --include="*.py" | sort)
 run_step "pytest -m gpu" 200 "$PY" -m pytest -o addopts="-ra --strict-markers" -m gpu -q \
-  -p no:cacheprovider --timeout 180 tests \
+  -p no:cacheprovider --timeout 180 "${GPU_TESTS[@]:-tests}" \
   > "$OUT_DIR/pytest.txt" 2>&1
 if [ "${#COMPILE[@]}" -gt 0 ]; then
   run_step "bench compile" 240 "$PY" scripts/bench.py "${COMPILE[@]}" \

@@ -233,7 +233,10 @@ def test_four_jobs_write_one_sqlite_store_at_once(tmp_path):
     node = {"_target_": "ddpexp.loggers.MLflowLogger", "tracking_uri": None}
     prepare_loggers({"mlflow": node}, root)
     assert (root / "mlflow.db").is_file()
-    ctx = multiprocessing.get_context("spawn")
+    # Four processes of their own, forked from one that imported MLflow once (spawn made each
+    # import it: seconds apiece).
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["mlflow.tracking", "ddpexp.loggers.mlflow", __name__])
     barrier = ctx.Barrier(4)
     procs = [ctx.Process(target=_write_concurrently, args=(str(root), job, barrier))
              for job in range(4)]
