@@ -49,7 +49,10 @@ def mlflow_server(root: Path) -> Iterator[tuple[str, subprocess.Popen]]:
            f"sqlite:///{root / 'server.db'}", "--default-artifact-root", str(root / "artifacts")]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True,
-                            env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"})
+                            # No job runner: it starts seven more processes that each
+                            # import MLflow, which these tests never use.
+                            env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true",
+                                 "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
