@@ -1,7 +1,7 @@
 """A disk that fills up during a run (a small tmpfs): one message that names the file and
 what to free, a ``failed`` record in metrics.json, the last checkpoint intact, and no
 "--- Logging error ---" traceback on the terminal, with one worker (in this process) as with
-two."""
+two, and under fsdp, whose ranks each write shards."""
 
 from __future__ import annotations
 
@@ -43,15 +43,26 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
-def _a_run_then_a_full_disk(tmp_path, small_disk):
+def _snapshot(last):
+    """Every byte of a checkpoint: a file, or a sharded checkpoint's directory of shards."""
+    files = sorted(p for p in last.rglob("*") if p.is_file()) if last.is_dir() else [last]
+    return {p: p.read_bytes() for p in files}
+
+
+def _a_run_then_a_full_disk(tmp_path, small_disk, args=ARGS):
     """A run of one epoch on the small disk, which then keeps room for half a checkpoint
     only: the resumed run's first save cannot fit."""
     disk, shrink = small_disk
     run = disk / "run"
-    run_cli_in_process([*ARGS, "trainer.max_epochs=1", f"hydra.run.dir={run}"], tmp_path)
+    first = [*args, "trainer.max_epochs=1", f"hydra.run.dir={run}"]
+    if "trainer.procs=2" in args:
+        run_cli(first, tmp_path, timeout=180)
+    else:
+        run_cli_in_process(first, tmp_path)
     last = run / "checkpoints" / "last.pt"
-    shrink(last.stat().st_size // 2)
-    return run, last, last.read_bytes()
+    before = _snapshot(last)
+    shrink(sum(map(len, before.values())) // 2)
+    return run, last, before
 
 
 def _check(res, run, last, before) -> None:
@@ -61,7 +72,7 @@ def _check(res, run, last, before) -> None:
     assert "Logging error" not in res.output and "Traceback" not in res.output, res.output
     metrics = read_metrics(run)
     assert metrics["status"] == "failed" and message in metrics["error"]
-    assert last.read_bytes() == before  # the last checkpoint, whole
+    assert _snapshot(last) == before  # the last checkpoint, whole
     assert not [p for p in last.parent.iterdir() if ".tmp-" in p.name]
 
 
@@ -77,4 +88,17 @@ def test_a_full_disk_under_two_workers(tmp_path, small_disk):
     run, last, before = _a_run_then_a_full_disk(tmp_path, small_disk)
     res = run_cli([*ARGS, "trainer.max_epochs=3", "trainer.procs=2", f"resume={run}"], tmp_path,
                   expect_ok=False, timeout=180)
+    _check(res, run, last, before)
+
+
+@pytest.mark.slow
+def test_a_full_disk_under_fsdp(tmp_path, small_disk):
+    """Sharded checkpoints: every rank writes shards of its own and meets the full disk;
+    the run still ends with the one message, and every shard of the last checkpoint (a
+    directory) is as it was."""
+    fsdp = [*ARGS, "trainer.procs=2", "trainer.strategy=fsdp"]
+    run, last, before = _a_run_then_a_full_disk(tmp_path, small_disk, fsdp)
+    assert last.is_dir() and len(before) > 2
+    res = run_cli([*fsdp, "trainer.max_epochs=3", f"resume={run}"], tmp_path, expect_ok=False,
+                  timeout=180)
     _check(res, run, last, before)

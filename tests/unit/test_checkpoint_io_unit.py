@@ -142,3 +142,27 @@ def test_a_crash_mid_swap_leaves_the_old_checkpoint_found(tmp_path):
     io.save_atomic({"model": {}, "step": 1}, previous)
     assert io.newest_last(tmp_path) == previous
     assert io.find(str(tmp_path / io.LAST), tmp_path) == previous
+
+
+def _failed_save(*failures):
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    return CheckpointException("save failed", {rank: _wrap_exception(e)
+                                               for rank, e in enumerate(failures)})
+
+
+def test_a_failed_sharded_save_is_told_as_the_single_file_save_tells_it(tmp_path):
+    import errno
+
+    path = tmp_path / "last.pt"
+    full = io._sharded_save_error(_failed_save(RuntimeError("unexpected pos"),
+                                               OSError(errno.ENOSPC, "No space left")), path)
+    assert isinstance(full, OSError) and full.errno == errno.ENOSPC
+    assert full.filename == str(path)
+    denied = io._sharded_save_error(_failed_save(PermissionError(errno.EACCES, "denied")), path)
+    assert isinstance(denied, OSError) and denied.errno == errno.EACCES
+    assert denied.filename == str(path)
+    # A short write on a disk with room, and any other error: not called a full disk.
+    other = io._sharded_save_error(_failed_save(RuntimeError("unexpected pos 7 vs 3")), path)
+    assert isinstance(other, RuntimeError) and not isinstance(other, OSError)
+    assert f"saving the sharded checkpoint {path} failed: RuntimeError: unexpected pos" in str(other)

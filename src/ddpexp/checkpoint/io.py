@@ -182,6 +182,7 @@ def save_sharded(tensors: dict, meta: Optional[dict], path: Path, is_main: bool)
     the previous checkpoint readable (at ``path`` or, mid-rename, ``path.previous``)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     tmp = path.with_name(f"{path.name}{_TMP_MARK}sharded")
     if is_main:
@@ -189,7 +190,17 @@ def save_sharded(tensors: dict, meta: Optional[dict], path: Path, is_main: bool)
         _remove(tmp)
     if dist.is_initialized():
         dist.barrier()  # nobody writes into the temporary dir before it is empty
-    dcp.save(tensors, checkpoint_id=str(tmp))  # returns once every rank's shards are written
+    try:
+        dcp.save(tensors, checkpoint_id=str(tmp))  # returns once every rank's shards are written
+    except CheckpointException as exc:
+        # Every rank gets every rank's failure, so each says the same; the shards written so
+        # far go once every rank has judged them (the previous checkpoint was not touched).
+        error = _sharded_save_error(exc, path)
+        if dist.is_initialized():
+            dist.barrier()
+        if is_main:
+            _remove(tmp)
+        raise error from None
     if not is_main:
         return
     with open(tmp / META, "wb") as f:
@@ -198,6 +209,23 @@ def save_sharded(tensors: dict, meta: Optional[dict], path: Path, is_main: bool)
         os.fsync(f.fileno())
     _fsync_dir(tmp)
     _swap_into(tmp, path)
+
+
+def _sharded_save_error(exc: Any, path: Path) -> BaseException:
+    """What a failed ``dcp.save`` means, as the single-file save says it: a full disk (the
+    usual cause) is ``OSError(ENOSPC)`` naming ``path``; another OS error keeps its errno."""
+    failures = [failure for failure, _ in exc.failures.values()]
+    os_errors = [e for e in failures if isinstance(e, OSError) and e.errno is not None]
+    full = any(e.errno == errno.ENOSPC for e in os_errors) or (
+        # torch's archive writer reports a short write without the errno (see save_atomic)
+        any(isinstance(e, RuntimeError) for e in failures) and _disk_full(path.parent))
+    if full:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    if os_errors:
+        return OSError(os_errors[0].errno, os_errors[0].strerror, str(path))
+    first = failures[0] if failures else exc
+    return RuntimeError(f"saving the sharded checkpoint {path} failed: "
+                        f"{type(first).__name__}: {first}")
 
 
 def load_sharded(path: Path, keys: Sequence[str] = ("model", "raw_model"),
