@@ -60,3 +60,19 @@ def test_a_sweep_of_other_imports_ends_it(early, preload, torch):
 def test_a_command_that_took_none_ends_it(early):
     forkserver.discard_early()
     assert forkserver._EARLY is None and early.proc.poll() is not None
+
+
+def test_a_launcher_that_does_not_fork_ends_it(early):
+    """``hydra.launcher.fork=false`` from a config file, which the command line did not show."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from ddpexp.sweep import pool
+
+    launcher = SimpleNamespace(max_parallel=None, fork=False, preload=None,
+                               config=OmegaConf.create({"trainer": {"procs": 1}}))
+    sweep = pool.Pool(launcher)
+    sweep.start_server()
+    assert sweep._server is None and forkserver._EARLY is None
+    assert early.proc.poll() is not None

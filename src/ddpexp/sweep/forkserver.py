@@ -2,14 +2,15 @@
 
 A fresh interpreter spends seconds importing torch, Hydra, ddpexp and what a run imports on
 its way (TensorBoard, torch's compiler stack, which its optimizers load): a sweep of short
-jobs paid that once per job. The ddp launcher instead starts one server process (``python -m
-ddpexp.sweep.forkserver``) at the start of a sweep; it imports all of that once and then only
-forks (for a sweep of another app, only Hydra and the modules ``hydra.launcher.preload``
-names: that app's jobs import what they need themselves). Each forked child is a job process
-as ``python -m ddpexp.sweep.job`` would be: it puts itself in a process group of its own,
-takes the launcher's environment for the job (its GPUs, thread counts), resets the signal
-handlers and runs :func:`ddpexp.sweep.job.main`, which sets the job's CPU affinity, and the
-worker its thread count, before any tensor op.
+jobs paid that once per job. The ddp launcher instead has one server process (``python -m
+ddpexp.sweep.forkserver``) for the sweep, started by the command itself before Hydra's
+import where the command line is such a sweep (:func:`start_early`), else by the launcher; it
+imports all of that once and then only forks (for a sweep of another app, only Hydra and the
+modules ``hydra.launcher.preload`` names: that app's jobs import what they need themselves).
+Each forked child is a job process as ``python -m ddpexp.sweep.job`` would be: it puts itself
+in a process group of its own, takes the launcher's environment for the job (its GPUs, thread
+counts), resets the signal handlers and runs :func:`ddpexp.sweep.job.main`, which sets the
+job's CPU affinity, and the worker its thread count, before any tensor op.
 
 What makes the fork safe: the server runs no tensor op, queries no device, and starts no
 thread. Before every fork it checks that it has one Python thread and no more native
@@ -326,7 +327,6 @@ class ForkServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-
 
     def discard(self) -> None:
         """End a server no sweep took (:func:`start_early`'s, when the command turned out

@@ -46,7 +46,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from ddpexp.config.rundir import drop_unused_claims
 from ddpexp.config.cli import SWEEP_COMMAND_ENV, continue_sweep, sweep_command
 from ddpexp.errors import RunInterrupted
-from ddpexp.sweep.forkserver import ForkedJob, ForkServer, adopt_early
+from ddpexp.sweep.forkserver import ForkedJob, ForkServer, adopt_early, discard_early
 from ddpexp.sweep.job import job_workers
 from ddpexp.sweep.summary import job_error, summarize
 from ddpexp.record import FINISHED, JOB_STARTED_ENV, read_metrics_or_empty
@@ -374,7 +374,9 @@ class Pool:
     def start_server(self) -> None:
         """Start the fork server, so that its imports run while the caller prepares the jobs
         (``__enter__`` starts it where the caller did not)."""
-        if self._server is None and getattr(self.launcher, "fork", True):
+        if self._server is None and not getattr(self.launcher, "fork", True):
+            discard_early()  # hydra.launcher.fork=false set in a config file
+        elif self._server is None:
             # ddpexp's own app (its config has a trainer): torch and the run, preloaded.
             ddpexp_app = OmegaConf.select(self.launcher.config, "trainer") is not None
             preload = getattr(self.launcher, "preload", None) or ()
