@@ -49,16 +49,16 @@ def _snapshot(last):
     return {p: p.read_bytes() for p in files}
 
 
-def _a_run_then_a_full_disk(tmp_path, small_disk, args=ARGS):
+def _a_run_then_a_full_disk(tmp_path, small_disk, args=ARGS, in_process=True):
     """A run of one epoch on the small disk, which then keeps room for half a checkpoint
     only: the resumed run's first save cannot fit."""
     disk, shrink = small_disk
     run = disk / "run"
     first = [*args, "trainer.max_epochs=1", f"hydra.run.dir={run}"]
-    if "trainer.procs=2" in args:
-        run_cli(first, tmp_path, timeout=180)
-    else:
+    if in_process:
         run_cli_in_process(first, tmp_path)
+    else:
+        run_cli(first, tmp_path, timeout=180)
     last = run / "checkpoints" / "last.pt"
     before = _snapshot(last)
     shrink(sum(map(len, before.values())) // 2)
@@ -97,7 +97,7 @@ def test_a_full_disk_under_fsdp(tmp_path, small_disk):
     the run still ends with the one message, and every shard of the last checkpoint (a
     directory) is as it was."""
     fsdp = [*ARGS, "trainer.procs=2", "trainer.strategy=fsdp"]
-    run, last, before = _a_run_then_a_full_disk(tmp_path, small_disk, fsdp)
+    run, last, before = _a_run_then_a_full_disk(tmp_path, small_disk, fsdp, in_process=False)
     assert last.is_dir() and len(before) > 2
     res = run_cli([*fsdp, "trainer.max_epochs=3", f"resume={run}"], tmp_path, expect_ok=False,
                   timeout=180)

@@ -115,6 +115,31 @@ def test_jobs_are_forked_each_in_its_own_process_and_group(workdir: Path) -> Non
     assert read_metrics(sweep_dir / "0")["history"] == read_metrics(sweep_dir / "1")["history"]
 
 
+def test_the_jobs_fork_from_the_server_the_command_started_first(workdir: Path, monkeypatch,
+                                                                capsys) -> None:
+    """``python -m ddpexp -m`` (its cli, in this process) starts the fork server before Hydra
+    runs, and the launcher forks the jobs from that one rather than starting its own."""
+    from ddpexp.sweep import forkserver
+    from helpers.cli import run_cli_here
+
+    started = []
+    real_start = forkserver.start_early
+
+    def start_early(argv):
+        real_start(argv)
+        if forkserver._EARLY is not None and forkserver._EARLY.proc is not None:
+            started.append(str(forkserver._EARLY.proc.pid))
+
+    monkeypatch.setattr(forkserver, "start_early", start_early)
+    sweep_dir = workdir / "sweep"
+    code, output = run_cli_here(["-m", *TINY, "seed=0,1", f"hydra.sweep.dir={sweep_dir}"],
+                                workdir, monkeypatch, capsys)
+    assert code == 0, output
+    assert len(started) == 1
+    assert {m.group(5) for m in _job_lines(sweep_dir).values()} == set(started)
+    assert forkserver._EARLY is None
+
+
 PRELOAD_WITH_A_THREAD = """import threading, time
 threading.Thread(target=time.sleep, args=(600,), daemon=True, name="user-thread").start()
 """

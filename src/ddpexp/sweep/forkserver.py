@@ -342,10 +342,11 @@ class ForkServer:
 # ------------------------------------------------------------------------------ early start
 # The server :func:`start_early` started for the command's sweep, until a sweep takes it.
 _EARLY: Optional[ForkServer] = None
-# The flags that print instead of running, and another primary config (which may pick another
-# launcher, turn forking off or preload modules of the user's own).
-_NOT_SWEEPING = {"--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i",
-                 "--shell-completion", "-sc", "--config-name", "-cn"}
+# The flags that print instead of running, another primary config (which may pick another
+# launcher, turn forking off or preload modules), and modules of the user's own to preload.
+_NOT_FORKING_EARLY = {"--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i",
+                      "--shell-completion", "-sc", "--config-name", "-cn",
+                      "hydra.launcher.preload"}
 
 
 def forks_early(argv: Sequence[str]) -> bool:
@@ -357,8 +358,7 @@ def forks_early(argv: Sequence[str]) -> bool:
     for arg in args:
         key, _, value = arg.partition("=")
         key = key.lstrip("+~")
-        if (arg in _NOT_SWEEPING or key in ("--config-name", "-cn", "hydra.launcher.preload")
-                or (key == "hydra/launcher" and value != "ddp")
+        if (key in _NOT_FORKING_EARLY or (key == "hydra/launcher" and value != "ddp")
                 or (key == "hydra.launcher.fork" and value.lower() != "true")):
             return False
     return True
