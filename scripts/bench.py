@@ -62,7 +62,6 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 PLAIN = ROOT / "scripts" / "plain_ddp.py"
@@ -88,7 +87,7 @@ class Case:
     procs: int = 2
     shape: tuple = (3, 32, 32)
     jobs: int = 1  # > 1: a sweep of this many runs (seed=0..jobs-1)
-    samples: Optional[int] = None  # None: exactly the samples the steps use
+    samples: int | None = None  # None: exactly the samples the steps use
     device: str = "cpu"
     strategy: str = "ddp"  # ddp | dp (one process) | fsdp
     precision: str = "32"  # 32 | bf16
@@ -145,8 +144,8 @@ class Run:
 
     wall_s: float
     max_rss_mib: float
-    samples_per_s: Optional[float] = None
-    first_step_s: Optional[float] = None
+    samples_per_s: float | None = None
+    first_step_s: float | None = None
 
 
 @dataclass
@@ -156,7 +155,7 @@ class Results:
     def add(self, case: str, runner: str, run: Run) -> None:
         self.runs.setdefault((case, runner), []).append(run)
 
-    def median(self, case: str, runner: str, attr: str) -> Optional[float]:
+    def median(self, case: str, runner: str, attr: str) -> float | None:
         values = [getattr(r, attr) for r in self.runs.get((case, runner), [])]
         values = [v for v in values if v is not None]
         return statistics.median(values) if values else None
@@ -216,7 +215,7 @@ def _scalars(tb_dir: Path) -> dict:
     return {tag: acc.Scalars(tag) for tag in acc.Tags()["scalars"]}
 
 
-def steady_rate(events: list, warmup: int) -> Optional[float]:
+def steady_rate(events: list, warmup: int) -> float | None:
     """Global samples/s over the log intervals after ``warmup``: each interval holds the same
     number of samples, so the total rate is the harmonic mean of the interval rates."""
     rates = [e.value for e in events if e.step > warmup]
@@ -297,7 +296,7 @@ def run_one(runner: str, case: Case, work: Path, env: dict, tag: str, timeout: f
 
 
 # ---------------------------------------------------------------------- the report
-def _fmt(value: Optional[float], digits: int = 2) -> str:
+def _fmt(value: float | None, digits: int = 2) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
@@ -624,7 +623,7 @@ def fsdp_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str:
                 print(f"[{r + 1}/{repeats}] fsdp-case {strategy:4s} wall {wall:6.1f}s  "
                       f"max RSS {rss:.0f}MiB  samples/s {_fmt(rate)}", file=sys.stderr, flush=True)
 
-    def med(strategy: str, key: str) -> Optional[float]:
+    def med(strategy: str, key: str) -> float | None:
         values = [f[key] for f in figures[strategy] if f[key] is not None]
         return statistics.median(values) if values else None
 
@@ -648,7 +647,7 @@ def fsdp_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str:
 
 
 # ---------------------------------------------------------------------- main
-def make_cases(quick: bool, only: Optional[list[str]]) -> list[Case]:
+def make_cases(quick: bool, only: list[str] | None) -> list[Case]:
     if quick:
         # One worker each and tiny shapes: it checks that every figure comes out, cheaply.
         tiny = dict(procs=1, shape=(3, 8, 8))
@@ -670,7 +669,7 @@ def make_cases(quick: bool, only: Optional[list[str]]) -> list[Case]:
     return _select(cases, only)
 
 
-def gpu_cases(dry_run: bool, only: Optional[list[str]]) -> tuple[list[Case], list[str]]:
+def gpu_cases(dry_run: bool, only: list[str] | None) -> tuple[list[Case], list[str]]:
     """The GPU cases, and what was skipped. ``dry_run``: the same cases, tiny, on the CPU
     (gloo instead of NCCL), without those that need CUDA (``torch.compile``'s GPU code)."""
     if dry_run:
@@ -693,7 +692,7 @@ def gpu_cases(dry_run: bool, only: Optional[list[str]]) -> tuple[list[Case], lis
     return _select(cases, only), skipped
 
 
-def _select(cases: list[Case], only: Optional[list[str]]) -> list[Case]:
+def _select(cases: list[Case], only: list[str] | None) -> list[Case]:
     if only:
         unknown = set(only) - {c.name for c in cases}
         if unknown:
@@ -703,7 +702,7 @@ def _select(cases: list[Case], only: Optional[list[str]]) -> list[Case]:
     return cases
 
 
-def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="ddpexp vs a hand-written DDP loop")
     p.add_argument("--quick", action="store_true", help="tiny cases, 1 repeat (for the test)")
     p.add_argument("--repeats", type=int, default=None, help="rounds (default 3; 1 with --quick)")
@@ -725,7 +724,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     return args
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     repeats = args.repeats or (1 if args.quick or args.dry_run else 3)
     skipped: list[str] = []

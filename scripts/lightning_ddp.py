@@ -20,9 +20,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
-
 from plain_ddp import parse_args, synthetic  # this script's folder is on sys.path
+from torch.utils.data import DataLoader, TensorDataset
 
 try:
     import lightning as L

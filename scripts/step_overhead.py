@@ -71,8 +71,8 @@ def main(argv=None) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     from ddpexp.config.compose import compose_single_process
-    from ddpexp.strategies.dist import DistContext
     from ddpexp.models import MLP, ConvNet
+    from ddpexp.strategies.dist import DistContext
     from ddpexp.training.trainer import Trainer
 
     k = args.steps_per_chunk

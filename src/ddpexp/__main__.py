@@ -1,6 +1,6 @@
 """``python -m ddpexp`` / ``ddpexp``: compose the config with Hydra and hand it to the fan-out."""
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -9,7 +9,7 @@ if TYPE_CHECKING:
 # (ddpexp.sweep.forkserver.start_early) starts first, and imports torch meanwhile.
 
 
-def task(cfg: "DictConfig") -> Optional[float]:
+def task(cfg: "DictConfig") -> float | None:
     """Run one experiment (every job of a sweep calls this); returns the monitored metric
     so that sweepers (ddpexp's optuna_async, Hydra's) can optimise it."""
     from ddpexp.launch.fanout import run

@@ -19,8 +19,9 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence, cast
+from typing import cast
 
 from ddpexp.checkpoint import io as ckpt_io
 from ddpexp.errors import CheckpointError, ConfigError, DdpexpError
@@ -155,7 +156,7 @@ def what_was_evaluated(record: dict) -> str:
             f"{part}, {record['samples']} samples, {record['world_size']} worker(s)")
 
 
-def format_table(rows: Sequence[tuple[str, Optional[dict], Optional[str]]]) -> str:
+def format_table(rows: Sequence[tuple[str, dict | None, str | None]]) -> str:
     """Aligned text: one row per ``(name, record or None, error or None)``."""
     names: list[str] = []
     for _, record, _ in rows:
@@ -178,7 +179,7 @@ def format_table(rows: Sequence[tuple[str, Optional[dict], Optional[str]]]) -> s
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Evaluate, print the table; exit 1 with one message per checkpoint that could not be
     evaluated (no traceback unless ``HYDRA_FULL_ERROR=1``)."""
     from ddpexp.config.cli import env_flag
@@ -189,7 +190,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0 if args else 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     path, overrides = Path(args[0]), args[1:]
-    rows: list[tuple[str, Optional[dict], Optional[str]]] = []
+    rows: list[tuple[str, dict | None, str | None]] = []
     try:
         found = targets(path)
     except DdpexpError as exc:

@@ -10,7 +10,7 @@ after a batch has gone through it in that layout (see the trainer's probe).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn

@@ -4,8 +4,8 @@ configuration)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 
 def read_curve(run_dir: Path, tag: str) -> list[tuple[int, float]]:

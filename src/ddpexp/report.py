@@ -28,9 +28,10 @@ import logging
 import os
 import statistics
 import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any
 
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
@@ -52,24 +53,24 @@ class Row:
     job: str
     overrides: list[str] = field(default_factory=list)
     status: str = NO_METRICS
-    monitor: Optional[str] = None
+    monitor: str | None = None
     monitor_mode: str = "max"
-    final: Optional[float] = None
-    best: Optional[float] = None
+    final: float | None = None
+    best: float | None = None
     # The monitored metric on the test split, from best.pt (test/acc for val/acc).
-    test: Optional[float] = None
-    epochs: Optional[int] = None
-    steps: Optional[int] = None
+    test: float | None = None
+    epochs: int | None = None
+    steps: int | None = None
     # The run's wall time, start-up included (a sweep job's from the launcher's start of its
     # process); train_time_s is the training loop's part of it.
-    wall_time_s: Optional[float] = None
-    train_time_s: Optional[float] = None
-    error: Optional[str] = None
-    dir: Optional[str] = None
+    wall_time_s: float | None = None
+    train_time_s: float | None = None
+    error: str | None = None
+    dir: str | None = None
     # The final validation metrics and the test metrics, whatever the task names them
     # ({"val/mse": .., "test/mse": .., ...}).
     metrics: dict = field(default_factory=dict)
-    seed: Optional[int] = None
+    seed: int | None = None
 
     def as_dict(self) -> dict:
         """Plain values, overrides joined by spaces, one key per final metric (what csv and
@@ -80,7 +81,7 @@ class Row:
         return out
 
 
-def read_run(run_dir: Path, job: Optional[str] = None) -> Row:
+def read_run(run_dir: Path, job: str | None = None) -> Row:
     """The row of one run dir (``job`` names it in the table; default: the dir's name)."""
     run_dir = Path(run_dir)
     row = Row(job=job if job is not None else run_dir.name, dir=str(run_dir),
@@ -215,7 +216,7 @@ class Group:
     jobs: list[str] = field(default_factory=list)
     dirs: list[str] = field(default_factory=list)
     status: str = ""
-    monitor: Optional[str] = None
+    monitor: str | None = None
     monitor_mode: str = "max"
     # column ("final", "best", "test", or a metric name) -> (mean, std, runs that had it)
     stats: dict = field(default_factory=dict)
@@ -316,11 +317,11 @@ def _key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
-def _value(row: Row, name: str) -> Optional[float]:
+def _value(row: Row, name: str) -> float | None:
     return getattr(row, name) if name in ("final", "best", "test") else _number(row.metrics.get(name))
 
 
-def _mean_std(stat: Optional[tuple], n: int) -> str:
+def _mean_std(stat: tuple | None, n: int) -> str:
     if stat is None:
         return ""
     mean, std, count = stat
@@ -381,7 +382,7 @@ class SweepSummary(Callback):
         return rows
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``python -m ddpexp.report DIR [--format F]``: print the table of the runs under DIR."""
     parser = argparse.ArgumentParser(prog="ddpexp-report", description=main.__doc__)
     parser.add_argument("dir", type=Path, help="a sweep dir, a run dir or outputs/")
@@ -415,7 +416,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-def _plot(rows: Sequence[Row], groups: Optional[Sequence[Group]], out: Path) -> None:
+def _plot(rows: Sequence[Row], groups: Sequence[Group] | None, out: Path) -> None:
     from ddpexp.plot import plot_curves, plot_groups
 
     monitor = _monitor(rows) or "val/loss"
@@ -434,7 +435,7 @@ def _plot(rows: Sequence[Row], groups: Optional[Sequence[Group]], out: Path) -> 
     print(f"wrote {out}: {drawn} runs, one curve each", file=sys.stderr)
 
 
-def _label(row: Row, varying: Optional[set]) -> str:
+def _label(row: Row, varying: set | None) -> str:
     shown = [o for o in row.overrides if varying is None or o in varying]
     return f"{row.job}: {' '.join(shown)}" if shown else row.job
 
@@ -459,7 +460,7 @@ def _read_overrides(run_dir: Path) -> list[str]:
     return own_overrides(data or [])
 
 
-def _read_seed(run_dir: Path) -> Optional[int]:
+def _read_seed(run_dir: Path) -> int | None:
     """The run's ``seed`` as its resolved config says (an override or the config's own)."""
     path = run_dir / ".hydra" / "config.yaml"
     if not path.is_file():
@@ -473,13 +474,13 @@ def _read_seed(run_dir: Path) -> Optional[int]:
     return seed if isinstance(seed, int) and not isinstance(seed, bool) else None
 
 
-def _entry(data: dict, section: str, monitor: Optional[str]) -> Any:
+def _entry(data: dict, section: str, monitor: str | None) -> Any:
     """``data[section][monitor]`` where both exist and ``data[section]`` is a mapping."""
     node = data.get(section)
     return node.get(monitor) if monitor and isinstance(node, dict) else None
 
 
-def _number(value: Any) -> Optional[float]:
+def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
@@ -487,12 +488,12 @@ def _natural_key(path: Path) -> tuple:
     return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.parts)
 
 
-def _monitor(rows: Sequence[Any]) -> Optional[str]:
+def _monitor(rows: Sequence[Any]) -> str | None:
     monitors = {r.monitor for r in rows if r.monitor}
     return monitors.pop() if len(monitors) == 1 else None
 
 
-def _metric_columns(rows: Sequence[Any], skip: Optional[str]) -> list[str]:
+def _metric_columns(rows: Sequence[Any], skip: str | None) -> list[str]:
     """Every final and test metric name of the rows (the task's names), except ``skip``
     (the monitored metric, which has its own final/best/test columns) and its test twin."""
     names = {k for r in rows for k in r.metrics}
@@ -514,7 +515,7 @@ def _titles(rows: Sequence[Any], columns: Sequence[str]) -> list[str]:
     return [names.get(c, c) for c in columns]
 
 
-def _varying_overrides(rows: Sequence[Any]) -> Optional[set]:
+def _varying_overrides(rows: Sequence[Any]) -> set | None:
     """Overrides not shared by every row: what a sweep varies (None: show them all)."""
     if len(rows) < 2:
         return None
@@ -522,7 +523,7 @@ def _varying_overrides(rows: Sequence[Any]) -> Optional[set]:
     return {o for r in rows for o in r.overrides} - common
 
 
-def _cell(row: Row, column: str, varying: Optional[set] = None) -> str:
+def _cell(row: Row, column: str, varying: set | None = None) -> str:
     if "/" in column:  # a final metric of the task
         value = row.metrics.get(column)
         return "" if value is None else f"{value:.4f}"

@@ -54,7 +54,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Mapping, Optional, Sequence, cast
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -154,7 +155,7 @@ def _adapter_class(cls: type) -> type:
                                               "__module__": cls.__module__})
 
 
-def first_tensor(batch: Any) -> Optional[torch.Tensor]:
+def first_tensor(batch: Any) -> torch.Tensor | None:
     """The first tensor in a nesting of tuples, lists and dicts (dicts in insertion order)."""
     if isinstance(batch, torch.Tensor):
         return batch
@@ -196,8 +197,8 @@ class Classification(Task):
     monitor = "val/acc"
     monitor_mode = "max"
 
-    def __init__(self, metrics: Sequence[str] = (), num_classes: Optional[int] = None,
-                 thresholds: Optional[int] = None):
+    def __init__(self, metrics: Sequence[str] = (), num_classes: int | None = None,
+                 thresholds: int | None = None):
         metrics = as_list(metrics)  # task.metrics=f1 is [f1]
         unknown = [m for m in metrics if m not in CLASSIFICATION_METRICS]
         if unknown:

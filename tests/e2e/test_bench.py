@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import finish
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,7 +46,7 @@ def test_bench_quick_prints_every_figure(tmp_path: Path) -> None:
     rows = {}
     for line in lines[2:]:
         cells = [c.strip() for c in line.strip("|").split("|")]
-        rows[(cells[0].split(" ")[0], cells[1])] = dict(zip(COLUMNS, cells))
+        rows[(cells[0].split(" ")[0], cells[1])] = dict(zip(COLUMNS, cells, strict=False))
     expected = {("overhead", r) for r in ("ddpexp", "ddpexp-dl", "plain")}
     expected |= {("startup", "ddpexp"), ("startup", "plain"), ("sweep", "ddpexp"), ("sweep", "plain")}
     assert set(rows) == expected

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import build_trainer, read_metrics
 
 from ddpexp.errors import ConfigError
-from helpers import build_trainer, read_metrics
 
 PLUGINS = str(Path(__file__).parents[1] / "plugins")
 TINY = ["data=synthetic", "data.shape=[6]", "data.num_classes=3", "data.num_samples=32",

@@ -12,9 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from helpers import (assert_same_tensors, read_metrics, read_scalars, run_cli, session_pids,
-                     start_cli)
+from helpers import (
+    assert_same_tensors,
+    read_metrics,
+    read_scalars,
+    run_cli,
+    session_pids,
+    start_cli,
+)
 from test_checkpoint_signals import check_interrupted, interrupt
 
 ARGS = [

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import build_trainer, run_cli_here
 
 import ddpexp

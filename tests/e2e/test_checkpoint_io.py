@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_same_tensors, build_trainer, read_metrics, run_cli_here
 
 from ddpexp.checkpoint import io as checkpoint
 from ddpexp.errors import CheckpointError
-
-from helpers import assert_same_tensors, build_trainer, read_metrics, run_cli_here
 
 TINY = [
     "data=synthetic", "data.shape=[1,4,4]", "data.num_classes=3", "data.num_samples=32",

@@ -8,9 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from helpers import (assert_same_tensors, read_metrics, read_scalars, run_cli, run_cli_in_process,
-                     run_dirs)
+from helpers import (
+    assert_same_tensors,
+    read_metrics,
+    read_scalars,
+    run_cli,
+    run_cli_in_process,
+    run_dirs,
+)
 
 # Tiny but not trivial: dropout (so the RNG state matters), SGD with momentum (optimizer
 # state), a per-epoch step schedule (scheduler state), and log steps that do not divide the

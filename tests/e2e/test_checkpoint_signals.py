@@ -11,11 +11,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import (
+    finish,
+    read_metrics,
+    run_cli,
+    run_cli_in_process,
+    run_printed,
+    session_pids,
+    start_cli,
+)
+from test_checkpoint_resume import assert_same_final_state, assert_tensorboard_continues, new_run
 
 from ddpexp.config.cli import command_line_override
-from helpers import (finish, read_metrics, run_cli, run_cli_in_process, run_printed, session_pids,
-                     start_cli)
-from test_checkpoint_resume import assert_same_final_state, assert_tensorboard_continues, new_run
 
 # No schedule (so the run's length does not shape the lr) and a huge max_epochs: the signal
 # always lands mid-run however slow the machine is; the resumed and the reference runs then

@@ -10,9 +10,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers import run_cli, run_cli_here
 
 from ddpexp.config.rundir import writable_dir_problem
-from helpers import run_cli, run_cli_here
 
 
 def test_full_error_shows_the_traceback(workdir):

@@ -4,14 +4,20 @@ few steps through the CLI under each strategy (single, dp, ddp)."""
 from __future__ import annotations
 
 import os
-
 from pathlib import Path
 
 import pytest
 import torch
-
-from helpers import (one_worker, only_run_dir, read_metrics, run_cli, run_cli_in_process,
-                     write_cifar10, write_imagefolder, write_mnist)
+from helpers import (
+    one_worker,
+    only_run_dir,
+    read_metrics,
+    run_cli,
+    run_cli_in_process,
+    write_cifar10,
+    write_imagefolder,
+    write_mnist,
+)
 
 # A couple of optimizer steps, one validation, a TensorBoard point per step.
 TINY = ["trainer.max_steps=2", "trainer.max_epochs=1", "trainer.log_every_n_steps=1",
@@ -116,7 +122,7 @@ def test_loader_settings_reach_the_dataloader(tmp_path):
     syn.fast_path = False
     slow_batches = list(syn.loader(tr, order, seed=0, on_gpu=False, train=True))
     assert len(fast_batches) == len(slow_batches) == 3
-    for (fx, fy), (sx, sy) in zip(fast_batches, slow_batches):
+    for (fx, fy), (sx, sy) in zip(fast_batches, slow_batches, strict=False):
         assert torch.equal(fx, sx) and torch.equal(fy, sy)
     assert torch.equal(fast_batches[0][1], tr.y[[7, 2, 9, 0]])
 

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 import yaml
-
 from helpers import write_cifar10, write_idx, write_mnist
 
 CONF = Path(__file__).resolve().parents[2] / "src" / "ddpexp" / "conf"

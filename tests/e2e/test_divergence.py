@@ -14,7 +14,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from helpers import build_trainer, only_run_dir, run_cli, run_cli_here, run_dirs
 
 from ddpexp.training.divergence import LossCeiling

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra.utils import instantiate
-
 from helpers import build_trainer, read_metrics, read_scalars, run_cli, run_dirs, write_mnist
+from hydra.utils import instantiate
 
 SYN = ["data=synthetic", "data.num_samples=64", "data.val_samples=16", "data.shape=[6]",
        "data.num_classes=3", "data.batch_size=8", "model=mlp", "model.hidden=[16]"]

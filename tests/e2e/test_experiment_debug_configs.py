@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import read_metrics, run_cli, run_dirs
 
 from ddpexp import report
-from helpers import read_metrics, run_cli, run_dirs
 
 
 @pytest.mark.slow

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
-
 from helpers import build_trainer, compose_config, read_scalars, write_cifar10, write_mnist
+from torch import nn
 
 REPO = Path(__file__).resolve().parents[2]
 CONF = REPO / "src" / "ddpexp" / "conf"
@@ -102,7 +101,8 @@ class _Counting:
 
     def __iter__(self):
         n = 0
-        for n, batch in enumerate(self.loader, start=1):
+        for batch in self.loader:
+            n += 1
             yield batch
         self.record.append(n)
 

@@ -8,8 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
-from helpers import FAST, only_run_dir, read_metrics, read_scalars, run_cli, run_dirs, start_cli, finish
+from helpers import (
+    FAST,
+    finish,
+    only_run_dir,
+    read_metrics,
+    read_scalars,
+    run_cli,
+    run_dirs,
+    start_cli,
+)
 
 
 @pytest.fixture(scope="module")

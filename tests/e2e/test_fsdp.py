@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from helpers import only_run_dir, read_metrics, read_scalars, run_cli
+
 from ddpexp.checkpoint.io import is_sharded
 
 pytestmark = pytest.mark.slow
@@ -60,7 +60,7 @@ def grads(run_dir: Path) -> list[dict]:
 
 def assert_close_grads(a: list[dict], b: list[dict], rtol: float) -> None:
     assert len(a) == len(b) > 0
-    for step_a, step_b in zip(a, b):
+    for step_a, step_b in zip(a, b, strict=False):
         assert step_a.keys() == step_b.keys()
         for name in step_a:
             x, y = step_a[name], step_b[name]

@@ -10,7 +10,6 @@ import shutil
 import subprocess
 
 import pytest
-
 from helpers import read_metrics, run_cli, run_cli_in_process
 
 # A checkpoint of some 300 kB (the weights and SGD's momentum) against a few kB of logs.

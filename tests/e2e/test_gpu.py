@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import only_run_dir, read_metrics, run_cli
 
 pytestmark = [

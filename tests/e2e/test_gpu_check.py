@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import finish
 
 ROOT = Path(__file__).resolve().parents[2]

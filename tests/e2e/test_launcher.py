@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from helpers import finish, read_metrics, run_cli, run_printed, start_cli
 
 pytestmark = pytest.mark.slow
@@ -97,7 +96,6 @@ def test_jobs_are_forked_each_in_its_own_process_and_group(workdir: Path) -> Non
     process group, and one config (0.1 and 0.10 are the same lr) on equal slices trains
     bitwise the same weights."""
     import torch
-
     from helpers import assert_same_tensors
 
     _, sweep_dir = sweep(workdir, "optimizer.lr=0.1,0.10")
@@ -119,8 +117,9 @@ def test_the_jobs_fork_from_the_server_the_command_started_first(workdir: Path, 
                                                                 capsys) -> None:
     """``python -m ddpexp -m`` (its cli, in this process) starts the fork server before Hydra
     runs, and the launcher forks the jobs from that one rather than starting its own."""
-    from ddpexp.sweep import forkserver
     from helpers.cli import run_cli_here
+
+    from ddpexp.sweep import forkserver
 
     started = []
     real_start = forkserver.start_early

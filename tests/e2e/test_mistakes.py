@@ -12,11 +12,10 @@ import os
 from pathlib import Path
 
 import pytest
+from helpers import run_cli_here, run_dirs
 
 from ddpexp.config.cli import run_dir_conflict
 from ddpexp.launch.failures import explain_os_error
-from helpers import run_cli_here, run_dirs
-
 
 # (overrides, what the one message must say)
 MISTAKES = [

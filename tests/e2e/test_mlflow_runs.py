@@ -16,16 +16,16 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import yaml
+from helpers import finish, kill_session, read_metrics, run_cli, run_dirs, start_cli
+from test_checkpoint_signals import LONG, check_interrupted, interrupt
 
 from ddpexp.loggers import MLflowLogger, RunInfo, prepare_loggers
 from ddpexp.loggers.csv import read_rows
-from helpers import finish, kill_session, read_metrics, run_cli, run_dirs, start_cli
-from test_checkpoint_signals import LONG, check_interrupted, interrupt
 
 pytest.importorskip("mlflow")
 

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import only_run_dir, read_metrics, run_cli
 
 

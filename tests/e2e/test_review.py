@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import read_metrics, run_cli
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import metadata
-
-from helpers import read_metrics, run_cli
 
 TINY = ["model=mlp", "model.hidden=[16]", "data=synthetic", "data.shape=[6]", "data.num_classes=3",
         "data.num_samples=256", "data.val_samples=64", "trainer.max_epochs=3",
@@ -48,7 +47,7 @@ def test_every_scalar_of_a_run(sweep):
         assert [s for s, _ in scalars[tag]] == list(range(2, m["steps"] + 1, 2)), tag
     for tag in per_epoch:
         assert [s for s, _ in scalars[tag]] == [steps_per_epoch * (e + 1) for e in range(m["epochs"])], tag
-    for h, (_, acc_value) in zip(m["history"], scalars["val/acc"]):
+    for h, (_, acc_value) in zip(m["history"], scalars["val/acc"], strict=False):
         assert acc_value == pytest.approx(h["val/acc"])
     assert scalars["best/val/acc"][-1][1] == pytest.approx(m["best"]["val/acc"])
     assert all(v > 0 for _, v in scalars["train/samples_per_s"] + scalars["train/grad_norm"])

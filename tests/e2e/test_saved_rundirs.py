@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
-
 from helpers import read_metrics
+from omegaconf import OmegaConf
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "rundirs"
 
@@ -41,7 +40,7 @@ def test_every_target_a_saved_config_names_resolves():
         for path in (FIXTURES / name / ".hydra").glob("*.yaml"):
             found = [v for v in _values(OmegaConf.to_container(OmegaConf.load(path)))
                      if isinstance(v, tuple)]
-            for key, target in found:
+            for _key, target in found:
                 try:
                     get_class(target)
                 except (ImportError, ValueError):
@@ -111,9 +110,10 @@ def test_saved_run_resumes_to_the_end(name: str, extra: list, tmp_path: Path, mo
 
 
 def test_a_sharded_last_gives_one_process_its_weights_and_optimizer_state(tmp_path: Path):
+    from helpers import build_trainer
+
     from ddpexp.checkpoint import io as ckpt_io
     from ddpexp.checkpoint import state as schema
-    from helpers import build_trainer
 
     run_dir = copy_of("fsdp_sharded", tmp_path)
     saved = OmegaConf.load(run_dir / ".hydra" / "overrides.yaml")

@@ -12,15 +12,16 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
+from helpers import finish, read_metrics, run_cli, start_cli
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
-from helpers import finish, read_metrics, run_cli, start_cli
 from ddpexp.callbacks import pruning as trial_side
-from ddpexp.sweep import pruning
 from ddpexp.errors import ConfigError
+from ddpexp.sweep import pruning
 from ddpexp.sweep import search as _search
 from ddpexp.sweep import space as _space
+
 QUICK = ["hydra/sweeper=optuna_async", "trainer.log_every_n_steps=100000", "trainer.test=false"]
 
 
@@ -81,8 +82,11 @@ def test_search_space_grammar() -> None:
 def test_config_reference_lists_every_sweeper_key() -> None:
     from dataclasses import fields
 
-    from hydra_plugins.ddpexp_optuna_sweeper.config import (OptunaAsyncSweeperConf, PrunerConf,
-                                                            SamplerConf)
+    from hydra_plugins.ddpexp_optuna_sweeper.config import (
+        OptunaAsyncSweeperConf,
+        PrunerConf,
+        SamplerConf,
+    )
 
     doc = (Path(__file__).parents[2] / "docs" / "config.md").read_text()
     keys = [f"hydra.sweeper.{f.name}" for f in fields(OptunaAsyncSweeperConf)

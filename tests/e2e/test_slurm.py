@@ -13,9 +13,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-import torch
-
 import slurm_cluster
+import torch
 from helpers import finish, read_metrics, read_scalars
 from test_checkpoint_resume import assert_same_final_state
 from test_checkpoint_signals import LONG, wait_for

@@ -7,11 +7,9 @@ one message."""
 from __future__ import annotations
 
 import json
-
 from pathlib import Path
 
 import pytest
-
 from helpers import build_trainer, run_cli
 
 METRICS = ["task.metrics=[f1,auroc]"]

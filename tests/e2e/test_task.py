@@ -13,9 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from helpers import (assert_same_tensors, build_trainer, compose_config, read_metrics, read_scalars,
-                     run_cli, run_dirs)
+from helpers import (
+    assert_same_tensors,
+    build_trainer,
+    compose_config,
+    read_metrics,
+    read_scalars,
+    run_cli,
+    run_dirs,
+)
 
 from ddpexp import Task
 from ddpexp.errors import ConfigError
@@ -142,7 +148,7 @@ def test_user_task_accumulation_equals_one_big_batch(user_dir: Path, tmp_path: P
                       config_dir=conf)
     ra, rb = a.fit(), b.fit()
     assert ra["steps"] == rb["steps"] == 12
-    for (name, pa), pb in zip(a.module.named_parameters(), b.module.parameters()):
+    for (name, pa), pb in zip(a.module.named_parameters(), b.module.parameters(), strict=False):
         torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6, msg=name)
     assert ra["final"]["val/within"] == pytest.approx(rb["final"]["val/within"])
     assert ra["monitor"] == "val/within" and ra["monitor_mode"] == "max"

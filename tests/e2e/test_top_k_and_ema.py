@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import assert_same_tensors, build_trainer, read_metrics, run_cli, run_dirs
 
 # Small and noisy, with dropout (the RNG matters) and a schedule (its state matters).
@@ -106,6 +105,6 @@ def test_ema_and_top_k_resume_exactly_under_ddp(workdir):
     a, b = _load(again / "last.pt"), _load(whole / "checkpoints/last.pt")
     for key in ("model", "raw_model", "ema", "optimizer", "step", "callbacks", "history"):
         assert_same_tensors(a[key], b[key], key)
-    names = lambda d: sorted(p.name for p in (d / "checkpoints").glob("epoch*.pt"))  # noqa: E731
+    names = lambda d: sorted(p.name for p in (d / "checkpoints").glob("epoch*.pt"))
     assert names(again.parent) == names(whole) and len(names(whole)) == 3
     assert read_metrics(again.parent)["best"] == read_metrics(whole)["best"]

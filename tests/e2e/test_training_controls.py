@@ -5,14 +5,18 @@ torch.compile and sync_batchnorm."""
 from __future__ import annotations
 
 import math
-
 from pathlib import Path
 
 import pytest
 import torch
-
-from helpers import (one_worker, only_run_dir, read_metrics, read_scalars, run_cli,
-                     run_cli_in_process)
+from helpers import (
+    one_worker,
+    only_run_dir,
+    read_metrics,
+    read_scalars,
+    run_cli,
+    run_cli_in_process,
+)
 
 # Tiny learnable data and an MLP without BatchNorm or dropout, so a step's gradient is a plain
 # function of which samples it saw.
@@ -39,8 +43,8 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 def initial_mlp() -> dict[str, torch.Tensor]:
     """The weights a run with seed 0 starts from (the trainer seeds, then builds the model)."""
-    from ddpexp.strategies.dist import seed_everything
     from ddpexp.models import MLP
+    from ddpexp.strategies.dist import seed_everything
 
     seed_everything(0)
     return MLP(input_shape=[4], num_classes=3, hidden=[8], dropout=0.0).state_dict()

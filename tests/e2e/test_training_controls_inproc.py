@@ -5,7 +5,6 @@ epochs in optimizer steps."""
 from __future__ import annotations
 
 import logging
-
 import sys
 import textwrap
 import traceback
@@ -13,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import build_trainer
 
 from ddpexp.errors import ConfigError

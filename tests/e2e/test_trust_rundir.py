@@ -10,9 +10,9 @@ import shlex
 from pathlib import Path
 
 import pytest
+from helpers import run_cli_here
 
 from ddpexp.config.cli import SWEPT, command_line_override, command_line_values
-from helpers import run_cli_here
 
 # A few steps on a tiny synthetic dataset.
 TINY = ["data=synthetic", "data.shape=[1,4,4]", "data.num_classes=3", "data.num_samples=32",

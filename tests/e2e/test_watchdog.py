@@ -53,7 +53,7 @@ def test_watchdog_dumps_the_stalled_ranks_stack_and_kills_the_workers(tmp_path: 
                 p.kill()
     assert wd.ENV_SLOTS not in os.environ and not Path(dog.path).exists()
     assert dog.message is not None
-    assert "rank 3 (pid %d) stalled in forward at step 7" % procs[1].pid in dog.message
+    assert f"rank 3 (pid {procs[1].pid}) stalled in forward at step 7" in dog.message
     assert "(rank 2 waited" in dog.message
     assert codes == [-9, -9]  # every local worker killed
     log = log_file.read_text()

@@ -13,7 +13,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from helpers import finish, only_run_dir, read_metrics, run_dirs
 
 PLUGINS = str(Path(__file__).parents[1] / "plugins")

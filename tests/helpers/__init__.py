@@ -9,9 +9,23 @@
 """
 
 from helpers.build import build_trainer, compose_config
-from helpers.cli import (FAST, CliResult, finish, kill_session, one_worker, only_run_dir,
-                         read_metrics, read_scalars, run_cli, run_cli_here, run_cli_in_process,
-                         run_dirs, run_printed, session_pids, start_cli)
+from helpers.cli import (
+                         FAST,
+                         CliResult,
+                         finish,
+                         kill_session,
+                         one_worker,
+                         only_run_dir,
+                         read_metrics,
+                         read_scalars,
+                         run_cli,
+                         run_cli_here,
+                         run_cli_in_process,
+                         run_dirs,
+                         run_printed,
+                         session_pids,
+                         start_cli,
+)
 from helpers.files import write_cifar10, write_idx, write_imagefolder, write_mnist
 from helpers.tensors import assert_same_tensors
 

@@ -3,8 +3,8 @@ so seams and arithmetic are tested without a subprocess."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 from ddpexp.config.compose import compose_single_process
 from ddpexp.config.schema import register_configs
@@ -12,14 +12,14 @@ from ddpexp.config.schema import register_configs
 register_configs()
 
 
-def compose_config(*overrides: str, config_dir: Optional[Path] = None) -> dict:
+def compose_config(*overrides: str, config_dir: Path | None = None) -> dict:
     """The resolved config (plain Python, as workers receive it) for ``overrides``, with the
     task's monitor filled in as a run's parent does. ``config_dir`` is a user's own config dir
     (``--config-dir``)."""
     return compose_single_process(list(overrides), config_dir)
 
 
-def build_trainer(run_dir: Path, overrides: Sequence[str] = (), config_dir: Optional[Path] = None):
+def build_trainer(run_dir: Path, overrides: Sequence[str] = (), config_dir: Path | None = None):
     """A one-process :class:`ddpexp.training.trainer.Trainer` built from the composed config."""
     from ddpexp.strategies.dist import DistContext
     from ddpexp.training.trainer import Trainer

@@ -8,9 +8,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 import pytest
 
@@ -60,7 +60,7 @@ class CliResult:
         return self.stdout + self.stderr
 
 
-def start_cli(args: Sequence[str], cwd: Path, env: Optional[dict] = None,
+def start_cli(args: Sequence[str], cwd: Path, env: dict | None = None,
               module: str = "ddpexp") -> subprocess.Popen:
     """Start ``python -m ddpexp ARGS`` in a new session (so the whole tree can be found)."""
     full_env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
@@ -85,7 +85,7 @@ def finish(proc: subprocess.Popen, timeout: float) -> CliResult:
     return CliResult(proc.returncode, out, err, kill_session(proc.pid))
 
 
-def run_cli(args: Sequence[str], cwd: Path, timeout: float = 180, env: Optional[dict] = None,
+def run_cli(args: Sequence[str], cwd: Path, timeout: float = 180, env: dict | None = None,
             expect_ok: bool = True, module: str = "ddpexp") -> CliResult:
     """Run the CLI to completion; by default fail the test unless it exits 0."""
     res = finish(start_cli(args, cwd, env, module), timeout)
@@ -95,7 +95,7 @@ def run_cli(args: Sequence[str], cwd: Path, timeout: float = 180, env: Optional[
     return res
 
 
-def run_printed(line: str, cwd: Path, timeout: float = 180, env: Optional[dict] = None) -> CliResult:
+def run_printed(line: str, cwd: Path, timeout: float = 180, env: dict | None = None) -> CliResult:
     """Run a command line that ddpexp printed (``python -m ddpexp ...``) as a user pastes
     it into a shell: ``bash -c LINE``, with this interpreter's ``python`` first on PATH."""
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
@@ -161,7 +161,7 @@ def _as_at_start() -> None:
     version.setbase("1.3")
 
 
-def run_cli_in_process(args: Sequence[str], cwd: Path, env: Optional[dict] = None,
+def run_cli_in_process(args: Sequence[str], cwd: Path, env: dict | None = None,
                        expect_ok: bool = True) -> CliResult:
     """:func:`run_cli` for a run of one worker, in this process: the same :class:`CliResult`
     (what the CLI wrote to stdout and to stderr), without the seconds a fresh interpreter

@@ -6,7 +6,7 @@ import contextlib
 import fcntl
 import os
 import tempfile
-from typing import Iterator
+from collections.abc import Iterator
 
 LOCK = os.path.join(tempfile.gettempdir(), "ddpexp-tests-apt.lock")
 

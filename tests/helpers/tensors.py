@@ -16,7 +16,7 @@ def assert_same_tensors(a, b, where: str) -> None:
             assert_same_tensors(a[key], b[key], f"{where}.{key}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=False)):
             assert_same_tensors(x, y, f"{where}[{i}]")
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import only_run_dir, read_metrics, run_cli_here
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 from omegaconf import OmegaConf, open_dict
 
 from ddpexp.config.schema import register_configs
-from helpers import only_run_dir, read_metrics, run_cli_here
 
 register_configs()
 

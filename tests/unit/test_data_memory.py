@@ -15,7 +15,7 @@ def test_synthetic_samples_are_prototype_plus_noise() -> None:
     g = torch.Generator().manual_seed(3)
     prototypes = torch.randn((4, 2, 3, 3), generator=g)
     assert len(splits) == 3
-    for split, n in zip(splits, (9000, 64, 5)):
+    for split, n in zip(splits, (9000, 64, 5), strict=False):
         y = torch.randint(0, 4, (n,), generator=g)
         x = prototypes[y] + 0.5 * torch.randn((n, 2, 3, 3), generator=g)
         assert torch.equal(split.y, y) and torch.equal(split.x, x)

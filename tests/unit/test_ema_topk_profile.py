@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from ddpexp.callbacks.ema import EMA, WeightAverage
-from ddpexp.errors import ConfigError
 from ddpexp.callbacks.profiler import StepProfiler
 from ddpexp.checkpoint.topk import TopK
+from ddpexp.errors import ConfigError
 
 
 def _net() -> nn.Module:

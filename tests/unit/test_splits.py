@@ -10,9 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import Subset
-
 from helpers import write_cifar10, write_imagefolder, write_mnist
+from torch.utils.data import Subset
 
 
 def sample_keys(dataset) -> list:
@@ -28,7 +27,7 @@ def assert_disjoint(*parts) -> list[set]:
     """No sample in two parts, none twice in one; returns each part's keys."""
     keys = [sample_keys(p) for p in parts]
     sets = [set(k) for k in keys]
-    for k, s in zip(keys, sets):
+    for k, s in zip(keys, sets, strict=False):
         assert len(k) == len(s) > 0
     for i in range(len(sets)):
         for j in range(i + 1, len(sets)):
@@ -60,7 +59,7 @@ def test_digits_three_way_split_is_disjoint_stratified_and_seeded():
     assert len(train) + len(val) + len(test) == len(load_digits().target)
     assert_stratified(train, val)
     again = Digits().load()
-    assert all(torch.equal(a.x, b.x) for a, b in zip((train, val, test), again))
+    assert all(torch.equal(a.x, b.x) for a, b in zip((train, val, test), again, strict=False))
     other = Digits(split_seed=1).load()
     assert not torch.equal(other[2].y, test.y) or not torch.equal(other[2].x, test.x)
     # test_fraction=0: a run without a test split.
@@ -102,7 +101,7 @@ def test_mnist_val_from_training_files_test_from_test_files(tmp_path, name, cls)
     suffix = ".gz" if name == "MNIST" else ""
     files = {split: read_idx(raw / f"{split}-images-idx3-ubyte{suffix}").unsqueeze(1).float() / 255
              for split in ("train", "t10k")}
-    as_keys = lambda x: {x[i].numpy().tobytes() for i in range(len(x))}  # noqa: E731
+    as_keys = lambda x: {x[i].numpy().tobytes() for i in range(len(x))}
     assert keys[2] == as_keys(files["t10k"])
     assert keys[0] | keys[1] == as_keys(files["train"])
     assert_stratified(train, val)

@@ -21,8 +21,9 @@ surface, and keeps this module, which the trainer imports, from importing the tr
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -119,7 +120,7 @@ class TrainerView(Protocol):
     loggers: Loggers  #: the loggers by name (empty on ranks other than 0)
     logged: dict[str, float]  #: the latest logged training metrics (rank 0)
 
-    def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         """To every logger at ``step`` (default: the current step); rank 0 writes, other
         ranks' calls are no-ops."""
         ...

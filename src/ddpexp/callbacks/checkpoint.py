@@ -18,15 +18,15 @@ path from it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
+from ddpexp.callbacks.base import LAST, Callback, TrainerView
 from ddpexp.checkpoint import io as ckpt_io
-from ddpexp.callbacks.base import TrainerView, LAST, Callback
+from ddpexp.checkpoint.topk import TopK
 from ddpexp.errors import ConfigError
 from ddpexp.training.signals import Interrupted
-from ddpexp.checkpoint.topk import TopK
-
 
 log = logging.getLogger("ddpexp")
 
@@ -40,12 +40,12 @@ class ModelCheckpoint(Callback):
 
     order = LAST
 
-    def __init__(self, save_top_k: Optional[int] = None, every_n_steps: Optional[int] = None):
+    def __init__(self, save_top_k: int | None = None, every_n_steps: int | None = None):
         for key, value in (("save_top_k", save_top_k), ("every_n_steps", every_n_steps)):
             if value is not None and int(value) < 1:
                 raise ConfigError(f"callbacks.checkpoint.{key}={value} must be >= 1 (or null)")
         self.save_top_k, self.every_n_steps = save_top_k, every_n_steps
-        self.top_k: Optional[TopK] = None
+        self.top_k: TopK | None = None
         # Relative to the run dir until setup, which binds it to the trainer's.
         self.dirpath: Path = ckpt_io.checkpoint_dir(".")
 
@@ -96,7 +96,7 @@ class ModelCheckpoint(Callback):
             self.save(trainer)
 
     def save(self, trainer: TrainerView, best: bool = False,
-             ranked: Optional[tuple[float, int]] = None) -> None:
+             ranked: tuple[float, int] | None = None) -> None:
         """Every rank contributes its state; rank 0 writes last.pt (under fsdp every rank its
         shards of it), and best.pt and the top-k file of a validation ``ranked`` = (value,
         epoch) that makes the top k. Files that fell out of the top k are deleted, by rank 0,

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Mapping, Optional, cast
+from collections.abc import Mapping
+from typing import Any, cast
 
-from ddpexp.callbacks.base import TrainerView, LATE, Callback
+from ddpexp.callbacks.base import LATE, Callback, TrainerView
 from ddpexp.errors import ConfigError
-
 
 log = logging.getLogger("ddpexp")
 
@@ -26,8 +26,8 @@ class EarlyStopping(Callback):
 
     order = LATE
 
-    def __init__(self, patience: Optional[int] = None, monitor: Optional[str] = None,
-                 mode: Optional[str] = None, min_delta: float = 0.0):
+    def __init__(self, patience: int | None = None, monitor: str | None = None,
+                 mode: str | None = None, min_delta: float = 0.0):
         if patience is not None and int(patience) < 1:
             raise ConfigError(f"callbacks.early_stopping.patience={patience} must be >= 1 (or null)")
         if mode not in (None, "min", "max"):
@@ -35,7 +35,7 @@ class EarlyStopping(Callback):
         self.patience, self.monitor, self.mode = patience, monitor, mode
         self.min_delta = float(min_delta)
         self.enabled = patience is not None
-        self.best: Optional[float] = None
+        self.best: float | None = None
         self.bad_epochs = 0
 
     def setup(self, trainer: TrainerView) -> None:

@@ -25,16 +25,16 @@ back afterwards.
 
 from __future__ import annotations
 
-import logging
 import contextlib
-from typing import Any, Iterator, Mapping, Optional, cast
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from ddpexp.callbacks.base import TrainerView, EARLY, Callback
+from ddpexp.callbacks.base import EARLY, Callback, TrainerView
 from ddpexp.config.validate import check_ema_decay
-
 
 log = logging.getLogger("ddpexp")
 
@@ -132,11 +132,11 @@ class EMA(Callback):
 
     order = EARLY
 
-    def __init__(self, decay: Optional[float] = None):
+    def __init__(self, decay: float | None = None):
         check_ema_decay(decay)
         self.decay = decay
         self.enabled = decay is not None
-        self.average: Optional[WeightAverage] = None
+        self.average: WeightAverage | None = None
         self._applied: Any = None
         self._restart = False
 

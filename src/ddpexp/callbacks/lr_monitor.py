@@ -3,10 +3,8 @@
 
 from __future__ import annotations
 
-
-from ddpexp.callbacks.base import TrainerView, Callback
+from ddpexp.callbacks.base import Callback, TrainerView
 from ddpexp.errors import ConfigError
-
 
 
 class LearningRateMonitor(Callback):

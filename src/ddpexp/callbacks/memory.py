@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ddpexp.callbacks.base import TrainerView, Callback
+from ddpexp.callbacks.base import Callback, TrainerView
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -13,10 +13,11 @@ Only global rank 0 profiles: the trace is one of the run's outputs.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Optional, cast
+from typing import Any, cast
 
-from ddpexp.callbacks.base import TrainerView, Callback
+from ddpexp.callbacks.base import Callback, TrainerView
 from ddpexp.errors import ConfigError
 
 log = logging.getLogger("ddpexp")
@@ -38,7 +39,7 @@ class StepProfiler:
         self.on_gpu = device_type == "cuda"
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.on_gpu else [])
         self.done = False
-        self.table: Optional[str] = None
+        self.table: str | None = None
         self._prof = profile(
             activities=activities,
             schedule=schedule(wait=self.skip - 1, warmup=1, active=steps, repeat=1),
@@ -76,7 +77,7 @@ class StepProfiler:
 class Profiler(Callback):
     """``steps=None`` leaves it off."""
 
-    def __init__(self, steps: Optional[int] = None, skip: int = 2):
+    def __init__(self, steps: int | None = None, skip: int = 2):
         if steps is not None and int(steps) < 1:
             raise ConfigError(f"trainer.profile_steps={steps} must be >= 1 (or null)")
         self.steps, self.skip = steps, skip

@@ -5,16 +5,16 @@ terminal)."""
 from __future__ import annotations
 
 import sys
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
-from ddpexp.callbacks.base import TrainerView, Callback
-
+from ddpexp.callbacks.base import Callback, TrainerView
 
 
 class ProgressBar(Callback):
     """``enabled=None``: on when stderr is a terminal."""
 
-    def __init__(self, enabled: Optional[bool] = None):
+    def __init__(self, enabled: bool | None = None):
         self.enabled = sys.stderr.isatty() if enabled is None else bool(enabled)
         self.bar: Any = None
 

@@ -16,14 +16,14 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ddpexp.callbacks.base import TrainerView, Callback
+from ddpexp.callbacks.base import Callback, TrainerView
 from ddpexp.sweep.pruning import ENV, build_pruner, journal_storage
-
 
 
 class OptunaPruning(Callback):
@@ -52,7 +52,7 @@ def in_trial() -> bool:
     return bool(os.environ.get(ENV))
 
 
-def from_env() -> Optional["Reporter"]:
+def from_env() -> Reporter | None:
     """The reporter of this run's trial, or ``None`` unless this run is an ``optuna_async``
     trial. Cheap: the study is opened at the first report."""
     text = os.environ.get(ENV)

@@ -22,13 +22,14 @@ import os
 import pickle
 import re
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, BinaryIO, Optional, Sequence
+from typing import Any, BinaryIO
 
 try:
     import fcntl
 except ImportError:  # not on Windows: copies there are plain copies
-    fcntl = None  # type: ignore[assignment]  # no fcntl off POSIX: no lock, checked where used
+    fcntl = None
 
 import torch
 
@@ -176,7 +177,7 @@ def is_sharded(path: Path | str) -> bool:
     return path.is_dir() and (path / ".metadata").is_file() and (path / META).is_file()
 
 
-def save_sharded(tensors: dict, meta: Optional[dict], path: Path, is_main: bool) -> None:
+def save_sharded(tensors: dict, meta: dict | None, path: Path, is_main: bool) -> None:
     """Write a sharded checkpoint at ``path``; every rank calls it with its own shards in
     ``tensors`` (DTensors), global rank 0 also with ``meta``. A crash at any instant leaves
     the previous checkpoint readable (at ``path`` or, mid-rename, ``path.previous``)."""
@@ -229,7 +230,7 @@ def _sharded_save_error(exc: Any, path: Path) -> BaseException:
 
 
 def load_sharded(path: Path, keys: Sequence[str] = ("model", "raw_model"),
-                 template: Optional[dict] = None) -> dict:
+                 template: dict | None = None) -> dict:
     """A sharded checkpoint's ``meta.pt`` entries plus its tensors. With ``template``
     (every rank of the run that reads it, each passing its own shards: DTensors or whole
     tensors), the tensors are read into it, resharded to this run's layout; without, this
@@ -262,7 +263,7 @@ def _load_meta(path: Path) -> dict:
 
 
 def load(path: Path | str, map_location: Any = "cpu", mmap: bool = False,
-         fix: Optional[str] = None) -> dict:
+         fix: str | None = None) -> dict:
     """Read a checkpoint with ``weights_only=True``; anything else is a clear error.
 
     ``mmap=True`` maps the tensors instead of reading them: the whole (safe) unpickling and
@@ -312,7 +313,7 @@ _REFUSED_OBJECT = re.compile(
 _MAGIC = (b"PK\x03\x04", b"\x80")
 
 
-def _check_kind(path: Path, fix: Optional[str]) -> None:
+def _check_kind(path: Path, fix: str | None) -> None:
     """Refuse a file that cannot be a checkpoint at all (empty, or bytes that begin as
     neither of torch.save's formats), naming it as such rather than as a torn one."""
     with open(path, "rb") as f:
@@ -348,7 +349,7 @@ def verify(path: Path | str) -> None:
     load(path, mmap=True)
 
 
-def _corrupt(path: Path, exc: BaseException, fix: Optional[str] = None) -> CheckpointError:
+def _corrupt(path: Path, exc: BaseException, fix: str | None = None) -> CheckpointError:
     text = str(exc)
     if isinstance(exc, pickle.UnpicklingError) and "WeightsUnpickler error:" in text:
         text = text.split("WeightsUnpickler error:", 1)[1]  # past torch's advice to load unsafely
@@ -358,7 +359,7 @@ def _corrupt(path: Path, exc: BaseException, fix: Optional[str] = None) -> Check
     return CheckpointError(f"checkpoint {path} is truncated or corrupt ({reason}). {_fix(path, fix)}")
 
 
-def _fix(path: Path, fix: Optional[str]) -> str:
+def _fix(path: Path, fix: str | None) -> str:
     """What to do about an unreadable checkpoint: ``fix``, or by default how to resume
     from another one."""
     if fix is not None:
@@ -374,7 +375,7 @@ def checkpoint_dir(run_dir: Path | str) -> Path:
     return Path(run_dir) / CHECKPOINTS
 
 
-def find(resume: Optional[str], run_dir: Path, base: Optional[Path] = None) -> Optional[Path]:
+def find(resume: str | None, run_dir: Path, base: Path | None = None) -> Path | None:
     """The checkpoint ``resume`` asks for: ``auto`` -> ``run_dir``'s last.pt if any, a run dir
     -> its last.pt, a file -> that file. ``None`` means start from scratch. A relative path is
     taken from ``base`` (where the command was started; Hydra may have moved into the run
@@ -405,7 +406,7 @@ def find(resume: Optional[str], run_dir: Path, base: Optional[Path] = None) -> O
     )
 
 
-def newest_last(directory: Path) -> Optional[Path]:
+def newest_last(directory: Path) -> Path | None:
     """``directory``'s last.pt, or the one a crash left mid-swap; None if neither."""
     last = directory / LAST
     if last.exists():

@@ -47,8 +47,9 @@ counter under ``early_stop``; it still resumes.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -56,8 +57,8 @@ import torch.distributed as dist
 from ddpexp.callbacks.base import Dispatch, TrainerView
 from ddpexp.checkpoint import io as ckpt_io
 from ddpexp.checkpoint import portable
-from ddpexp.strategies.dist import rng_state, set_rng_state
 from ddpexp.errors import ConfigError
+from ddpexp.strategies.dist import rng_state, set_rng_state
 
 if TYPE_CHECKING:
     from ddpexp.data.base import DataSource
@@ -75,7 +76,7 @@ class Trainer(TrainerView, Protocol):
     module, and this one states what it needs instead of importing the trainer."""
 
     strategy: Local
-    scheduler: Optional[Any]  # an lr scheduler: state_dict() / load_state_dict()
+    scheduler: Any | None  # an lr scheduler: state_dict() / load_state_dict()
     scaler: torch.amp.GradScaler
     train_means: RunningMeans
     callbacks: Dispatch
@@ -83,7 +84,7 @@ class Trainer(TrainerView, Protocol):
     config: dict
 
 
-def gather(trainer: Trainer) -> Optional[dict]:
+def gather(trainer: Trainer) -> dict | None:
     """The checkpoint of ``trainer`` as it is now. Every rank must call it (it gathers each
     rank's random state); global rank 0 gets the dict, the others ``None``; under a sharded
     strategy (fsdp) every rank gets it, ``"model"`` and ``"optimizer"`` holding its shards."""

@@ -16,7 +16,6 @@ import logging
 import math
 import re
 from pathlib import Path
-from typing import Optional
 
 log = logging.getLogger("ddpexp")
 
@@ -42,7 +41,7 @@ class TopK:
     def _better(self, a: float, b: float) -> bool:
         return a > b if self.mode == "max" else a < b
 
-    def offer(self, value: float, epoch: int) -> tuple[Optional[str], list[str]]:
+    def offer(self, value: float, epoch: int) -> tuple[str | None, list[str]]:
         """Rank a validation. Returns the file name to write this epoch's checkpoint to (None
         when it does not make the top k) and the names that fell out of the ranking, to be
         deleted once the new file is on disk. The ranking is updated at once, so that the
@@ -71,7 +70,7 @@ class TopK:
         """The ranking as plain Python (what ``torch.load(weights_only=True)`` reads back)."""
         return {"metric": self.metric, "mode": self.mode, "kept": [dict(e) for e in self.kept]}
 
-    def load_state_dict(self, state: Optional[dict]) -> None:
+    def load_state_dict(self, state: dict | None) -> None:
         """Continue a ranking saved by :meth:`state_dict`. A ranking by another metric or
         direction (the run was resumed with a different ``trainer.monitor``) is not
         comparable: ranking starts afresh and the old files are left alone."""

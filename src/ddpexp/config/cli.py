@@ -11,9 +11,10 @@ import os
 import re
 import shlex
 import sys
+from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
@@ -22,7 +23,7 @@ from ddpexp.config.rundir import holds_run, remove_run_outputs, writable_dir_pro
 from ddpexp.config.schema import TrainerConfig
 
 
-def unknown_trainer_keys(args: list[str]) -> Optional[str]:
+def unknown_trainer_keys(args: list[str]) -> str | None:
     """A message for ``trainer.KEY=...`` overrides whose KEY is no trainer key, naming the
     closest one. Hydra rejects them too, but suggests ``+trainer.KEY`` (adding a key the
     trainer never reads), which is the wrong fix for a typo."""
@@ -43,7 +44,7 @@ def unknown_trainer_keys(args: list[str]) -> Optional[str]:
             + f"\n(trainer keys: {', '.join(known)})")
 
 
-def unknown_group_options(args: list[str]) -> Optional[str]:
+def unknown_group_options(args: list[str]) -> str | None:
     """A message for a list of options of one of ddpexp's config groups
     (``logger=[tensorboard,mlfow]``) that names one the group does not have, with the
     closest and the options there are. Hydra lists the options for a single wrong one, but
@@ -88,7 +89,7 @@ ENTRY_GROUPS = ("callbacks", "logger")
 _OTHER_PRIMARY = ("--config-path", "-cp", "--config-name", "-cn")
 
 
-def unknown_entry_keys(args: Sequence[str]) -> Optional[str]:
+def unknown_entry_keys(args: Sequence[str]) -> str | None:
     """A message for an override of ``callbacks.NAME...`` or ``logger.NAME...`` (a value or
     a ``~`` deletion) whose NAME, or key under it, the composed config does not have,
     naming the closest one and those there are. Hydra rejects them too, but suggests
@@ -126,13 +127,13 @@ def unknown_entry_keys(args: Sequence[str]) -> Optional[str]:
 
     try:
         cfg = composed(rest, config_dir)
-    except Exception:  # noqa: BLE001 - Hydra reports what is wrong with the rest itself
+    except Exception:
         return None
     problems = [p for p in (_missing_key(cfg, key) for key in targets) if p]
     return "\n".join(problems) or None
 
 
-def _missing_key(cfg: Any, key: str) -> Optional[str]:
+def _missing_key(cfg: Any, key: str) -> str | None:
     """Why the dotted ``key`` is not in ``cfg``: the first part that is missing, the names
     there are where it is and the closest of them; None if it is there."""
     from omegaconf import DictConfig
@@ -209,8 +210,8 @@ _VALUE_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", 
 SWEEP_COMMAND_ENV = "DDPEXP_SWEEP_COMMAND"
 
 
-def resume_command(args: Sequence[str], run_dir: Optional[Path | str] = None,
-                   sweep_dir: Optional[Path | str] = None, prefix: str = "python -m ddpexp") -> str:
+def resume_command(args: Sequence[str], run_dir: Path | str | None = None,
+                   sweep_dir: Path | str | None = None, prefix: str = "python -m ddpexp") -> str:
     """The command that continues the run (or, with ``sweep_dir``, the sweep) that the
     command line ``args`` started, as one line a shell runs as it is: every flag
     (``--config-dir``, ``-cp``, ``-cn``, ``-m``) and override (``+``/``~`` ones included)
@@ -233,7 +234,7 @@ def resume_command(args: Sequence[str], run_dir: Optional[Path | str] = None,
     return " ".join([prefix, *map(shlex.quote, flags), *resume, *map(shlex.quote, overrides)])
 
 
-def sweep_command() -> Optional[list[str]]:
+def sweep_command() -> list[str] | None:
     """The command line of the sweep this process runs (a job of): the one a sweep process
     hands its job processes (:data:`SWEEP_COMMAND_ENV`), or this process's own where it is
     the sweep's; None where neither is known (a job of another launcher, e.g. submitit)."""
@@ -254,7 +255,7 @@ def continue_sweep(sweep_dir: Path | str) -> str:
     return "run:\n  " + resume_command(args, sweep_dir=sweep_dir)
 
 
-def preflight(args: list[str]) -> Optional[str]:
+def preflight(args: list[str]) -> str | None:
     """Checks of the command line that must happen before Hydra claims a run dir: trainer,
     callbacks and logger key typos, an option missing from a group's list, a run dir that
     already holds a run, and a ``resume=`` path that does not exist (which would otherwise
@@ -282,7 +283,7 @@ def _shares_run_dir(values: dict[str, Any]) -> bool:
     return isinstance(nodes, int) and nodes > 1
 
 
-def run_dir_conflict(args: list[str]) -> Optional[str]:
+def run_dir_conflict(args: list[str]) -> str | None:
     """A message when ``hydra.run.dir`` (or a sweep's ``hydra.sweep.dir``) cannot be used as
     the command line asks: no run dir can be created there, or it already holds a run and
     neither ``resume=`` nor ``overwrite=true`` says what to do with it. With ``overwrite=true``

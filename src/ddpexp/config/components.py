@@ -7,7 +7,8 @@ with one message before any worker starts; :func:`build` builds them in the work
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 from ddpexp.errors import ConfigError, DdpexpError
 
@@ -33,7 +34,7 @@ def locate(group: str, name: str, node: Any, base: type) -> type:
     return cls
 
 
-def check(group: str, nodes: Optional[Mapping[str, Any]], base: type) -> None:
+def check(group: str, nodes: Mapping[str, Any] | None, base: type) -> None:
     """Refuse the first bad entry of ``nodes`` (``None`` entries are removed ones)."""
     if nodes is None:
         return
@@ -44,7 +45,7 @@ def check(group: str, nodes: Optional[Mapping[str, Any]], base: type) -> None:
             locate(group, str(name), node, base)
 
 
-def build(group: str, nodes: Optional[Mapping[str, Any]], base: type) -> dict[str, Any]:
+def build(group: str, nodes: Mapping[str, Any] | None, base: type) -> dict[str, Any]:
     """Build every entry of ``nodes`` with Hydra's ``instantiate``: ``{name: object}``."""
     from hydra.utils import instantiate
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 from hydra import compose, initialize_config_module
 from hydra.core.singleton import Singleton
@@ -14,7 +13,7 @@ from ddpexp.config.monitor import fill_monitor
 from ddpexp.config.schema import register_configs, to_plain
 
 
-def composed(overrides: list[str], config_dir: Optional[Path | str] = None) -> DictConfig:
+def composed(overrides: list[str], config_dir: Path | str | None = None) -> DictConfig:
     """The config Hydra composes for ``overrides`` (interpolations unresolved, no ``hydra``
     node), without a run: nothing is written, and Hydra's process-wide state is as before.
     ``config_dir`` is a user's own config dir (``--config-dir``)."""
@@ -32,7 +31,7 @@ def composed(overrides: list[str], config_dir: Optional[Path | str] = None) -> D
             Singleton._instances[VersionBase] = version
 
 
-def compose_single_process(overrides: list[str], config_dir: Optional[Path] = None) -> dict:
+def compose_single_process(overrides: list[str], config_dir: Path | None = None) -> dict:
     """The resolved config (plain Python, as a worker receives it) for ``overrides``, for a
     trainer built in this process: one process (``strategy=single``), the task's monitor
     filled in as a run's parent does. ``config_dir`` is a user's own config dir

@@ -4,7 +4,8 @@ letters of ``f1``."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 
 def as_list(value: Any) -> list:

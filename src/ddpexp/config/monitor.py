@@ -8,14 +8,14 @@ direction.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 # Name parts of metrics where larger is better; any other metric a user monitors is minimised.
 _LARGER_IS_BETTER = ("acc", "f1", "auc", "auroc", "precision", "recall", "score", "iou", "dice",
                      "r2", "bleu")
 
 
-def resolve_monitor(task_target: str, monitor: Optional[str] = None,
+def resolve_monitor(task_target: str, monitor: str | None = None,
                     mode: Any = None) -> tuple[str, str]:
     """``(monitor, mode)`` of a run of the task class ``task_target``: ``monitor`` and
     ``mode`` (``"max"``/``"min"`` or a ``MonitorMode``) where given, else the task's class

@@ -7,11 +7,9 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
-
+from typing import Any
 
 from ddpexp.errors import ConfigError
-
 
 # Hydra resolves hydra.run.dir / hydra.sweep.dir several times in one process (the sweeper
 # creates the sweep dir, the launcher reads it again). Each must see the same answer, so
@@ -75,7 +73,7 @@ def unwritable_dir_message(path: Path, exc: OSError) -> str:
             "or point hydra.run.dir (hydra.sweep.dir for -m) at one")
 
 
-def writable_dir_problem(path: Path) -> Optional[str]:
+def writable_dir_problem(path: Path) -> str | None:
     """A message if no run dir can be created at ``path`` (a forbidden, read-only or
     unwritable place); creates nothing that stays."""
     probe = Path(path).expanduser().absolute()
@@ -106,7 +104,7 @@ def resume_dir(resume: Any, fresh: str) -> str:
     return unique_dir(fresh)
 
 
-def hydra_subdir(output_dir: str) -> Optional[str]:
+def hydra_subdir(output_dir: str) -> str | None:
     """Where Hydra saves this job's config: ``.hydra``, or ``.hydra/resume-N`` when the dir
     already holds a run, so resuming never overwrites the config the run started with.
     ``None`` (nothing saved) in the tasks other than global rank 0 of a SLURM step that all

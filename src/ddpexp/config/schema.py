@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
-from ddpexp.config.rundir import hydra_subdir, resume_dir, unique_dir
 
+from ddpexp.config.rundir import hydra_subdir, resume_dir, unique_dir
 
 
 class Strategy(Enum):
@@ -60,17 +60,17 @@ class TrainerConfig:
     # GPUs per node, one worker each (NCCL); 0 = CPU.
     gpus: int = 0
     # Workers per node; None = gpus if gpus > 0, else 1 (on the CPU, procs > 1 is gloo DDP).
-    procs: Optional[int] = None
+    procs: int | None = None
     # Nodes (torch elastic c10d rendezvous at rdzv_endpoint).
     nodes: int = 1
     # host:port of the rendezvous when nodes > 1.
-    rdzv_endpoint: Optional[str] = None
+    rdzv_endpoint: str | None = None
     rdzv_timeout_s: int = 300
     strategy: Strategy = Strategy.auto
     # Kept small so that the default run is short.
     max_epochs: int = 10
     # Stop after this many optimizer steps in all (None = no limit).
-    max_steps: Optional[int] = None
+    max_steps: int | None = None
     # 32 | bf16 | 16 (fp16 with a gradient scaler, GPUs only).
     precision: str = "32"
     # Micro-batches per optimizer step (no_sync under DDP).
@@ -81,23 +81,23 @@ class TrainerConfig:
     # memory for one more forward per block.
     activation_checkpointing: bool = False
     # Max total gradient norm; None = off.
-    grad_clip: Optional[float] = None
+    grad_clip: float | None = None
     # Whole-group restarts after a worker dies, each resuming from last.pt.
     max_restarts: int = 0
     # Collective timeout: a stuck rank fails the run instead of hanging it.
     dist_timeout_s: float = 300.0
     # A finite training loss this many times its start (the initial weights' loss) ends the
     # run as diverged, like a NaN one (ddpexp.training.divergence has the rule); None = NaN/inf only.
-    divergence_factor: Optional[float] = 100.0
+    divergence_factor: float | None = 100.0
     log_every_n_steps: int = 20
     # Also write last.pt every N optimizer steps mid-epoch.
-    ckpt_every_steps: Optional[int] = None
+    ckpt_every_steps: int | None = None
     # Any val/<name> the task returns; None = the task's own default (its class attributes).
-    monitor: Optional[str] = None
+    monitor: str | None = None
     # max | min; None = the task's own default.
-    monitor_mode: Optional[MonitorMode] = None
+    monitor_mode: MonitorMode | None = None
     # Validations without a strict improvement before stopping; None = never.
-    early_stop_patience: Optional[int] = None
+    early_stop_patience: int | None = None
     # After training, evaluate best.pt on the data's test split (test/<name> in metrics.json);
     # selection (best.pt, early stopping, sweeps) never looks at it.
     test: bool = True
@@ -106,27 +106,27 @@ class TrainerConfig:
     compile: bool = False
     # channels_last memory format for the model and 4-d batches; None = on where the model
     # has 2-d convolutions and runs on the CPU or in bf16/16 on a GPU (measured faster).
-    channels_last: Optional[bool] = None
+    channels_last: bool | None = None
     # None = on when stderr is a terminal.
-    progress_bar: Optional[bool] = None
+    progress_bar: bool | None = None
     # Seconds workers get to checkpoint and exit after a stop signal before they are killed.
     shutdown_grace_s: int = 30
     # DDP's find_unused_parameters: for models whose forward leaves some parameters out of
     # the loss (costs an extra graph traversal per step, so off unless asked for).
     find_unused_parameters: bool = False
     # Batches per worker per epoch (the first N of each epoch's shard); null = all.
-    limit_train_batches: Optional[int] = None
+    limit_train_batches: int | None = None
     # Validation batches per worker; null = the whole validation set.
-    limit_val_batches: Optional[int] = None
+    limit_val_batches: int | None = None
     # Train on the same first N batches every epoch, unshuffled, and validate on them.
-    overfit_batches: Optional[int] = None
+    overfit_batches: int | None = None
     # torch.profiler over N optimizer steps after 2 warm-up steps (profile/trace.json).
-    profile_steps: Optional[int] = None
+    profile_steps: int | None = None
     # Keep the K best checkpoints by `monitor` besides last.pt and best.pt; null = none.
-    save_top_k: Optional[int] = None
+    save_top_k: int | None = None
     # Exponential moving average of the weights (e.g. 0.999), used for validation, test,
     # best.pt and the sweep's value; null = off.
-    ema_decay: Optional[float] = None
+    ema_decay: float | None = None
     # torch.autograd anomaly detection: the backward op that made a NaN/inf is named.
     detect_anomaly: bool = False
     # torch.use_deterministic_algorithms(True): ops without a deterministic kernel raise.
@@ -148,7 +148,7 @@ class DdpexpConfig:
     callbacks: Any = field(default_factory=dict)
     logger: Any = field(default_factory=dict)
     seed: int = 0
-    resume: Optional[str] = None
+    resume: str | None = None
     # Start a new run in a hydra.run.dir that already holds one, replacing it.
     overwrite: bool = False
 
@@ -169,10 +169,10 @@ def trainer_config(node: Any) -> TrainerConfig:
     """The ``trainer`` node (a DictConfig or the plain dict workers receive) as the typed
     :class:`TrainerConfig`, enums and all."""
     merged = OmegaConf.merge(OmegaConf.structured(TrainerConfig), node)
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]  # a structured TrainerConfig node converts to that dataclass
+    return OmegaConf.to_object(merged)  # pyright: ignore[reportReturnType]  # a structured TrainerConfig node converts to that dataclass
 
 
 def to_plain(cfg: DictConfig) -> dict:
     """The fully resolved config as plain Python (enums as strings): what workers receive
     and what checkpoints store."""
-    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]  # the root node is a dict
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # pyright: ignore[reportReturnType]  # the root node is a dict

@@ -3,13 +3,10 @@ allowed values."""
 
 from __future__ import annotations
 
-from typing import Optional
-
-
 from omegaconf import DictConfig, OmegaConf
 
-from ddpexp.errors import ConfigError
 from ddpexp.config.schema import PRECISIONS
+from ddpexp.errors import ConfigError
 
 
 def validate(cfg: DictConfig) -> None:
@@ -122,7 +119,7 @@ def _validate_ranges(cfg: DictConfig) -> None:
         )
 
 
-def check_ema_decay(decay: Optional[float]) -> None:
+def check_ema_decay(decay: float | None) -> None:
     """``trainer.ema_decay`` (the ema callback's ``decay``): in [0, 1), or None for off."""
     if decay is not None and not 0.0 <= float(decay) < 1.0:
         raise ConfigError(f"trainer.ema_decay={decay} must be in [0, 1) (e.g. 0.999), or null")

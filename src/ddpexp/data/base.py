@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import itertools
 import random
-from typing import Any, Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -92,11 +93,11 @@ class DataSource:
         self,
         batch_size: int = 64,
         num_workers: int = 0,
-        num_classes: Optional[int] = None,
-        shape: Optional[Sequence[int]] = None,
-        pin_memory: Optional[bool] = None,
-        persistent_workers: Optional[bool] = None,
-        prefetch_factor: Optional[int] = None,
+        num_classes: int | None = None,
+        shape: Sequence[int] | None = None,
+        pin_memory: bool | None = None,
+        persistent_workers: bool | None = None,
+        prefetch_factor: int | None = None,
         fast_path: bool = True,
     ):
         if batch_size < 1:
@@ -152,7 +153,7 @@ class DataSource:
 
 
 def split_indices(n: int, val_fraction: float, test_fraction: float, seed: int,
-                  labels: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                  labels: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A deterministic split of ``range(n)`` into train, val and test indices (stratified by
     ``labels`` when given); every index lands in exactly one part."""
     for name, frac in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
@@ -172,7 +173,7 @@ def split_indices(n: int, val_fraction: float, test_fraction: float, seed: int,
 
 
 def _two_way(index: np.ndarray, fraction: float, seed: int,
-             labels: Optional[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+             labels: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """``index`` cut into (kept, held out) with ``fraction`` held out, stratified where every
     class can give a sample to both parts (small or skewed data falls back to a plain shuffle,
     where scikit-learn would refuse).

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import itertools
 import pickle
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence, cast
+from typing import Any, cast
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ddpexp.errors import ConfigError
 from ddpexp.data.base import DataSource, InMemory, _two_way, split_indices
+from ddpexp.errors import ConfigError
 
 
 class Digits(DataSource):
@@ -119,7 +120,7 @@ class Synthetic(DataSource):
                               make(self.test_samples)]))
 
 
-def _instantiate_transforms(specs: Optional[Sequence[Any]]) -> list:
+def _instantiate_transforms(specs: Sequence[Any] | None) -> list:
     if not specs:
         return []
     from hydra.utils import instantiate
@@ -136,9 +137,9 @@ class _TorchvisionSource(DataSource):
         self,
         root: str = "data",
         download: bool = False,
-        mean: Optional[Sequence[float]] = None,
-        std: Optional[Sequence[float]] = None,
-        train_transform: Optional[Sequence[Any]] = None,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+        train_transform: Sequence[Any] | None = None,
         val_fraction: float = 0.1,
         split_seed: int = 0,
         **kwargs: Any,
@@ -245,7 +246,7 @@ class MNIST(_TorchvisionSource):
         False: ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
     }
 
-    def _find(self, raw: Path, name: str) -> Optional[Path]:
+    def _find(self, raw: Path, name: str) -> Path | None:
         for candidate in (raw / name, raw / f"{name}.gz"):
             if candidate.is_file():
                 return candidate
@@ -405,7 +406,7 @@ class ImageFolder(_TorchvisionSource):
             )
         return (train, val) if test is None else (train, val, test)
 
-    def _folder(self, split: str, transform: Any, classes: Optional[list] = None):
+    def _folder(self, split: str, transform: Any, classes: list | None = None):
         """torchvision's ImageFolder over ``root/split``; its class folders must be those of
         ``root/train`` (else a label would mean another class)."""
         from torchvision import datasets

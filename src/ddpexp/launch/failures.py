@@ -20,33 +20,34 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import re
-import functools
 import shutil
 import signal
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator, NoReturn, Optional
+from typing import Any, NoReturn
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from ddpexp.config.rundir import claimed_dirs, drop_unused_claims
 from ddpexp import errors
+from ddpexp.config.cli import env_flag
+from ddpexp.config.rundir import claimed_dirs, drop_unused_claims
 from ddpexp.errors import ConfigError, DdpexpError, RunInterrupted
 from ddpexp.launch.resources import oom_kills
-from ddpexp.config.cli import env_flag
 from ddpexp.record import METRICS_FILE, read_metrics_or_empty, record_failure, run_started
 
 # Files Hydra itself writes into a run dir before the task runs.
 _HYDRA_ONLY = {".hydra"}
 
 
-def explain_os_error(exc: OSError, data_root: Optional[str] = None,
-                     run_dir: Optional[str] = None) -> DdpexpError:
+def explain_os_error(exc: OSError, data_root: str | None = None,
+                     run_dir: str | None = None) -> DdpexpError:
     """``exc`` as one message: which file, what is wrong, which key or action fixes it."""
     name = exc.filename or "a file"
     where = _key_for(name, data_root, run_dir)
@@ -66,7 +67,7 @@ def explain_os_error(exc: OSError, data_root: Optional[str] = None,
     return ConfigError(f"{exc.strerror or exc}: {name} (check {where})")
 
 
-def _key_for(filename: str, data_root: Optional[str], run_dir: Optional[str]) -> str:
+def _key_for(filename: str, data_root: str | None, run_dir: str | None) -> str:
     path = Path(str(filename)).absolute()
     for key, base in (("data.root", data_root), ("hydra.run.dir", run_dir)):
         if base and (path == Path(base).absolute() or Path(base).absolute() in path.parents):
@@ -185,7 +186,7 @@ def _newest_config_dir(run_dir: Path) -> Path:
     return max(resumes, key=lambda p: int(p.name[7:]))
 
 
-def _stamp(path: Path) -> Optional[int]:
+def _stamp(path: Path) -> int | None:
     try:
         return path.stat().st_mtime_ns
     except OSError:
@@ -195,7 +196,7 @@ def _stamp(path: Path) -> Optional[int]:
 def _select(cfg: Any, key: str) -> Any:
     try:
         return OmegaConf.select(cfg, key, default=None)
-    except Exception:  # noqa: BLE001 - an unresolvable value is no root to name
+    except Exception:
         return None
 
 # ------------------------------------------------------------------ a failed run's message
@@ -204,8 +205,8 @@ PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pi
              "connection closed", "Connection refused")
 
 
-def describe_elastic_failure(exc: Any, oom_kills_before: Optional[int] = None,
-                      log_file: Optional[str] = None, ranks: Any = ()) -> str:
+def describe_elastic_failure(exc: Any, oom_kills_before: int | None = None,
+                      log_file: str | None = None, ranks: Any = ()) -> str:
     """One message naming each failed rank and its cause (the first line of its error).
     A mistake every failed rank reports alike (a ddpexp error, such as a shape check on the
     first batch) is said once, as it is.
@@ -218,7 +219,7 @@ def describe_elastic_failure(exc: Any, oom_kills_before: Optional[int] = None,
     without a Python error: a signal killed it."""
     same = {_own_error(f) for f in exc.failures.values()}
     if len(same) == 1 and None not in same:
-        return same.pop()  # type: ignore[return-value]  # None is not in the set (checked above)
+        return same.pop()  # pyright: ignore[reportReturnType]  # None is not in the set (checked above)
     oom = oom_kills_before is not None and (oom_kills() or 0) > oom_kills_before
     lines = []
     for rank, failure in sorted(exc.failures.items()):
@@ -262,7 +263,7 @@ def describe_own_failure(exc: BaseException) -> str:
     return f"a worker failed, so the whole run was stopped:\n  rank 0 (pid {os.getpid()}) {cause}"
 
 
-def _logged_failures(log_file: Optional[str]) -> dict[int, tuple[str, str]]:
+def _logged_failures(log_file: str | None) -> dict[int, tuple[str, str]]:
     """``{rank: (pid, last line of its traceback)}`` for each ``[rankN] worker failed (pid
     P):`` entry that the workers wrote into the run's log."""
     try:
@@ -278,7 +279,7 @@ def _logged_failures(log_file: Optional[str]) -> dict[int, tuple[str, str]]:
     return found
 
 
-def _own_error(failure: Any) -> Optional[str]:
+def _own_error(failure: Any) -> str | None:
     """The message of a ddpexp error (ConfigError, CheckpointError, ...) a rank raised."""
     data = failure.error_file_data
     message = data.get("message") if isinstance(data, dict) else None

@@ -17,7 +17,7 @@ import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, cast
+from typing import Any, cast
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -25,18 +25,18 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from ddpexp.launch import ranks
-from ddpexp.launch.world import OWN_WORKER_ENV, World, detect
 from ddpexp.config.cli import continue_sweep, env_flag, resume_command
+from ddpexp.config.monitor import fill_monitor
 from ddpexp.config.schema import to_plain
 from ddpexp.config.validate import validate
 from ddpexp.errors import ConfigError, DdpexpError, RunDiverged, RunFailed, RunInterrupted
+from ddpexp.launch import ranks
 from ddpexp.launch.failures import describe_elastic_failure, describe_own_failure, guard_run
-from ddpexp.config.monitor import fill_monitor
-from ddpexp.record import record_failure, record_wall_time, run_started
 from ddpexp.launch.resources import check_resources, oom_kills
-from ddpexp.training.signals import stop_signals
 from ddpexp.launch.watchdog import Watchdog
+from ddpexp.launch.world import OWN_WORKER_ENV, World, detect
+from ddpexp.record import record_failure, record_wall_time, run_started
+from ddpexp.training.signals import stop_signals
 
 log = logging.getLogger("ddpexp")
 
@@ -55,7 +55,7 @@ class Plan:
         return self.procs * self.nodes
 
 
-def plan_run(trainer: Any, visible_gpus: Optional[int] = None) -> Plan:
+def plan_run(trainer: Any, visible_gpus: int | None = None) -> Plan:
     """Resolve ``strategy=auto`` and ``procs=null`` and reject layouts that cannot run."""
     gpus, nodes = int(trainer.gpus), int(trainer.nodes)
     strategy = getattr(trainer.strategy, "value", str(trainer.strategy))
@@ -113,7 +113,7 @@ def overrides_as_hparams(overrides: list[str]) -> dict[str, Any]:
 
 
 def _prepare(cfg: DictConfig, hydra_cfg: Any, run_dir: Path,
-             world: Optional[World]) -> tuple[Plan, Any, Optional[Path]]:
+             world: World | None) -> tuple[Plan, Any, Path | None]:
     """Check the run and lay it out: its plan, the workers' payload and the checkpoint it
     resumes from (None: a fresh start). Raises the DdpexpError that refuses it."""
     # torch and the trainer: imported by a run, not by every importer of this module.
@@ -169,7 +169,7 @@ def _record_refusal(cfg: DictConfig, run_dir: Path, exc: BaseException) -> None:
 
 
 @guard_run
-def run(cfg: DictConfig) -> Optional[float]:
+def run(cfg: DictConfig) -> float | None:
     """The task function's body: run one experiment and return its monitored metric."""
     started = run_started()
     hydra_cfg = HydraConfig.get()
@@ -223,8 +223,8 @@ def check_parts(plain: dict, run_dir: Path) -> None:
     """Refuse a bad ``callbacks`` or ``logger`` entry (no ``_target_``, one that does not
     import, a class of the wrong kind) with one message, before any worker starts; then let
     each logger prepare its store (an MLflow database's schema, say)."""
-    from ddpexp.config import components
     from ddpexp.callbacks import Callback
+    from ddpexp.config import components
     from ddpexp.loggers import outputs_root, prepare_loggers
 
     components.check("callbacks", plain.get("callbacks"), Callback)
@@ -256,7 +256,7 @@ class Preemption:
         self.handlers = {sig.name: signal.getsignal(sig) for sig in stop_signals()
                          if sig not in (signal.SIGTERM, signal.SIGINT)}
 
-    def requeue(self, signal_name: Optional[str]) -> None:
+    def requeue(self, signal_name: str | None) -> None:
         """Hand ``signal_name`` on to the pre-run handler if it is a pre-timeout signal that
         a Python handler (submitit's) was waiting for; that handler usually exits."""
         handler = self.handlers.get(signal_name or "")
@@ -266,7 +266,7 @@ class Preemption:
             handler(getattr(signal, signal_name), None)
 
 
-def dispatch(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
+def dispatch(plan: Plan, cfg: DictConfig, payload: Any) -> dict | None:
     """Run ``payload`` as ``plan`` says: in this process, under torch elastic, or as this
     SLURM task's rank; global rank 0 gets the worker's result. Training runs and
     ``ddpexp.eval`` both come through here."""
@@ -332,7 +332,7 @@ def _per_node_flag(world: World, n: int) -> str:
             "mpi": f"mpirun --npernode {n}"}.get(world.launcher, f"LOCAL_WORLD_SIZE={n}")
 
 
-def _elastic(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
+def _elastic(plan: Plan, cfg: DictConfig, payload: Any) -> dict | None:
     """Start the workers under torch elastic's agent and wait for them.
 
     One node: a c10d rendezvous on a loopback port picked now (a concrete port, so restart
@@ -343,8 +343,8 @@ def _elastic(plan: Plan, cfg: DictConfig, payload: Any) -> Optional[dict]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from ddpexp.strategies.dist import free_port
     from ddpexp.launch.worker import EXIT_INTERRUPTED, run_worker
+    from ddpexp.strategies.dist import free_port
 
     t = cfg.trainer
     # torch elastic keeps its per-run error files here; removed when the run ends (left to

@@ -35,9 +35,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 from ddpexp.errors import ConfigError, RunFailed, RunInterrupted
 from ddpexp.launch.failures import describe_step_failure, rank_error
@@ -58,7 +59,7 @@ REPORT_WAIT_S = {"timeout": 8.0, "error": 3.0}
 EXIT_FAILED = 1
 
 
-def sweep_problem(args: list[str], world: World) -> Optional[str]:
+def sweep_problem(args: list[str], world: World) -> str | None:
     """A message when the command line of a rank asks for a sweep: every job would be a run
     of its own on the same ranks, which one launch of them cannot give."""
     if any(a in ("-m", "--multirun") for a in args):
@@ -71,7 +72,7 @@ def sweep_problem(args: list[str], world: World) -> Optional[str]:
     return None
 
 
-def fanout_keys_problem(args: list[str], world: World) -> Optional[str]:
+def fanout_keys_problem(args: list[str], world: World) -> str | None:
     """A message when the command line sets a key of ddpexp's own fan-out that the launcher
     decides instead: restarts (``trainer.max_restarts``) and the nodes' rendezvous
     (``trainer.rdzv_endpoint``)."""
@@ -108,7 +109,7 @@ class Step:
         self.failing = threading.Event()
 
     @classmethod
-    def connect(cls, world: World) -> "Step":
+    def connect(cls, world: World) -> Step:
         """Host (rank 0) or join the store the ranks of ``world`` meet in. torchrun's agent
         hosts one already: every rank joins it, and the keys of each restart round are kept
         apart (``raw`` keeps what outlives a round: the run dir)."""
@@ -122,7 +123,7 @@ class Step:
             raw = dist.TCPStore(addr, port, size, is_master=hosts,
                                 timeout=timedelta(seconds=CONNECT_TIMEOUT_S),
                                 wait_for_workers=False)
-        except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/DistNetworkError
+        except Exception as exc:
             raise ConfigError(
                 f"rank {me} of {world.what} could not {'open' if hosts else 'reach'} their "
                 f"store at {addr}:{port} ({str(exc).splitlines()[0]}). Another process may "
@@ -140,14 +141,14 @@ class Step:
         """Rank 0: keep the run dir where a later restart round of torchrun finds it."""
         self.raw.set("run_dir", run_dir)
 
-    def earlier_run_dir(self) -> Optional[str]:
+    def earlier_run_dir(self) -> str | None:
         """The run dir an earlier restart round trained in (torchrun), if any."""
         if self.world_info.restart == 0:
             return None
         try:
             if self.raw.check(["run_dir"]):
                 return self.raw.get("run_dir").decode()
-        except Exception:  # noqa: BLE001 - a store without it
+        except Exception:
             return None
         return None
 
@@ -163,7 +164,7 @@ class Step:
         try:
             if not self.store.check(["abort"]):
                 self.store.set("abort", json.dumps({"by": self.rank, "kind": kind, "message": message}))
-        except Exception:  # noqa: BLE001 - the store went away with rank 0
+        except Exception:
             pass
 
     def reachable(self) -> bool:
@@ -171,20 +172,20 @@ class Step:
         try:
             self.store.check(["abort"])
             return True
-        except Exception:  # noqa: BLE001 - the store's host (rank 0) is gone: torch raises any of its errors
+        except Exception:
             return False
 
-    def aborted(self) -> Optional[dict]:
+    def aborted(self) -> dict | None:
         """The abort record (``by``, ``kind``, ``message``) if some rank raised it; a store that
         no longer answers counts as rank 0's abort."""
         try:
             if self.store.check(["abort"]):
                 return json.loads(self.store.get("abort"))
-        except Exception:  # noqa: BLE001 - the store's host (rank 0) is gone: torch raises any of its errors
+        except Exception:
             return {"by": 0, "kind": "error", "message": "rank 0 ended"}
         return None
 
-    def wait_payload(self) -> Optional[Any]:
+    def wait_payload(self) -> Any | None:
         """Other ranks: rank 0's payload, or ``None`` when it aborted the start."""
         deadline = time.time() + PAYLOAD_TIMEOUT_S
         while time.time() < deadline:
@@ -193,7 +194,7 @@ class Step:
                     from ddpexp.launch.worker import WorkerPayload
 
                     return WorkerPayload(**json.loads(self.store.get("payload")))
-            except Exception:  # noqa: BLE001 - rank 0 ended, and with it the store
+            except Exception:
                 return None
             if self.aborted() is not None:
                 return None
@@ -211,7 +212,7 @@ class Step:
         """Say under ``section/<rank>`` what happened to this rank."""
         try:
             self.store.set(f"{section}/{self.rank}", json.dumps({"pid": os.getpid(), **fields}))
-        except Exception:  # noqa: BLE001 - the store's host (rank 0) is gone: torch raises any of its errors
+        except Exception:
             pass
 
     def reports(self, section: str) -> dict[int, dict]:
@@ -221,7 +222,7 @@ class Step:
             try:
                 if self.store.check([f"{section}/{r}"]):
                     out[r] = json.loads(self.store.get(f"{section}/{r}"))
-            except Exception:  # noqa: BLE001 - the store's host (rank 0) is gone: torch raises any of its errors
+            except Exception:
                 break
         return out
 
@@ -244,12 +245,12 @@ class Listener:
     failure there)."""
 
     def __init__(self, step: Step, log_file: str,
-                 on_stuck: Optional[Callable[[str], None]] = None) -> None:
+                 on_stuck: Callable[[str], None] | None = None) -> None:
         self.step, self.log_file, self.on_stuck = step, log_file, on_stuck
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._listen, name="ddpexp-slurm", daemon=True)
 
-    def __enter__(self) -> "Listener":
+    def __enter__(self) -> Listener:
         self._thread.start()
         return self
 
@@ -276,7 +277,7 @@ class Listener:
         if self.on_stuck is not None:
             try:
                 self.on_stuck(kind)
-            except Exception:  # noqa: BLE001 - the process ends either way
+            except Exception:
                 pass
         logging.shutdown()
         os._exit(EXIT_FAILED)
@@ -299,7 +300,7 @@ class Listener:
 _STEP: list[Step] = []
 
 
-def current(world: Optional[World] = None) -> Step:
+def current(world: World | None = None) -> Step:
     """This process's handle on its world's store, opened on first use."""
     if not _STEP:
         found = world or detect()
@@ -318,7 +319,7 @@ def lead(step: Step, main: Callable[[], Any]) -> None:
     finally:
         try:
             published = step.store.check(["payload"])
-        except Exception:  # noqa: BLE001 - the store's host (rank 0) is gone: torch raises any of its errors
+        except Exception:
             published = True
         if not published:
             step.abort("start")
@@ -337,12 +338,12 @@ def follow(step: Step) -> int:
         run_rank(step, payload)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else EXIT_FAILED
-    except BaseException:  # noqa: BLE001 - reported through the store and the log
+    except BaseException:
         return EXIT_FAILED
     return 0
 
 
-def run_rank(step: Step, payload: Any) -> Optional[dict]:
+def run_rank(step: Step, payload: Any) -> dict | None:
     """Run the worker as this task's rank; a failure is reported to the step, and on global
     rank 0 it becomes one :class:`RunFailed` naming the ranks at fault."""
     from ddpexp.launch.worker import run_worker  # torch and the trainer: only where a rank runs

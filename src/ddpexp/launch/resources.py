@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from ddpexp.errors import ConfigError
 
@@ -19,7 +19,7 @@ log = logging.getLogger("ddpexp")
 WORKER_MEMORY_BYTES = 300 * 2**20
 
 
-def check_resources(plan: Any, available: Optional[int] = None, cores: Optional[int] = None) -> None:
+def check_resources(plan: Any, available: int | None = None, cores: int | None = None) -> None:
     """Refuse a layout whose workers cannot fit in this node's memory (they would thrash,
     then meet the kernel's out-of-memory killer); warn when they outnumber the cores."""
     if plan.procs <= 1:
@@ -41,7 +41,7 @@ def check_resources(plan: Any, available: Optional[int] = None, cores: Optional[
                     "and train slower than trainer.procs=%d would", plan.procs, cores, cores)
 
 
-def memory_available() -> Optional[int]:
+def memory_available() -> int | None:
     """Bytes this process's cgroup and the machine can still give, or None if unknown."""
     found = []
     try:
@@ -60,7 +60,7 @@ def memory_available() -> Optional[int]:
     return min(found) if found else None
 
 
-def oom_kills() -> Optional[int]:
+def oom_kills() -> int | None:
     """How many processes of this cgroup the kernel's OOM killer has killed (cgroup v2),
     or None where that is not known."""
     try:

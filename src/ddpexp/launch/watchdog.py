@@ -28,9 +28,10 @@ import struct
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Callable, Optional, cast
+from typing import IO, cast
 
 # Where a rank is; the trainer marks each change. The order is the order within a step.
 PHASES = ("setup", "data", "forward", "backward", "optimizer", "validation", "checkpoint", "done")
@@ -79,7 +80,7 @@ class Stall:
     waiting: list[Beat]
     waited_s: float
 
-    def describe(self, now: float, log_file: Optional[str] = None) -> str:
+    def describe(self, now: float, log_file: str | None = None) -> str:
         """The run's failure message: who stalled, where, for how long, and what to do."""
         lines = [
             f"rank {b.rank} (pid {b.pid}) stalled in {b.phase_name} at step {b.step}: "
@@ -108,10 +109,10 @@ class Heartbeat:
     """This rank's slot. :meth:`mark` costs one ``struct.pack_into`` into shared memory."""
 
     def __init__(self, slots_path: str, local_rank: int, restart: int = 0,
-                 stack_log: Optional[str] = None, rank: Optional[int] = None) -> None:
+                 stack_log: str | None = None, rank: int | None = None) -> None:
         fd = os.open(slots_path, os.O_RDWR)
         try:
-            self._mm: Optional[mmap.mmap] = mmap.mmap(fd, 0)
+            self._mm: mmap.mmap | None = mmap.mmap(fd, 0)
         finally:
             os.close(fd)
         self._offset = local_rank * _STRIDE
@@ -119,7 +120,7 @@ class Heartbeat:
         self._pid = os.getpid()
         self._restart = restart
         self._rank = local_rank if rank is None else rank
-        self._stack_file: Optional[IO[str]] = None
+        self._stack_file: IO[str] | None = None
         if stack_log:
             # faulthandler writes through this file descriptor from its signal handler,
             # even while the rank is stuck in C code holding the GIL.
@@ -157,7 +158,7 @@ class NoHeartbeat:
 
 
 def heartbeat_from_env(local_rank: int, restart: int = 0,
-                       rank: Optional[int] = None) -> Heartbeat | NoHeartbeat:
+                       rank: int | None = None) -> Heartbeat | NoHeartbeat:
     """This worker's heartbeat if the launching process runs a watchdog, else a no-op."""
     path = os.environ.get(ENV_SLOTS)
     if not path or not Path(path).is_file():
@@ -189,7 +190,7 @@ def read_beats(slots_path: str, nprocs: int) -> list[Beat]:
     return beats
 
 
-def find_stall(beats: list[Beat], now: float, stall_s: float) -> Optional[Stall]:
+def find_stall(beats: list[Beat], now: float, stall_s: float) -> Stall | None:
     """The stall in ``beats``, if some ranks have waited ``stall_s`` for ranks behind them.
 
     Only ranks of the newest restart round that are not done count. The ranks with the most
@@ -218,15 +219,15 @@ class Watchdog:
     On a stall it writes a header and each stalled rank's stack into ``log_file``, kills the
     local workers and keeps the message in :attr:`message` for the run's failure."""
 
-    def __init__(self, nprocs: int, stall_s: float, log_file: Optional[str],
-                 kill: Optional[Callable[[list[int]], None]] = None) -> None:
+    def __init__(self, nprocs: int, stall_s: float, log_file: str | None,
+                 kill: Callable[[list[int]], None] | None = None) -> None:
         self.nprocs, self.stall_s, self.log_file = nprocs, float(stall_s), log_file
         self.path = create_slots(nprocs)
-        self.message: Optional[str] = None
+        self.message: str | None = None
         self._kill = kill or _kill_all
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="ddpexp-watchdog", daemon=True)
-        self._saved_env: dict[str, Optional[str]] = {}
+        self._saved_env: dict[str, str | None] = {}
 
     def env(self) -> dict[str, str]:
         """What the workers need to find their slots and the log their stacks go to."""
@@ -235,7 +236,7 @@ class Watchdog:
             out[ENV_STACK_LOG] = self.log_file
         return out
 
-    def __enter__(self) -> "Watchdog":
+    def __enter__(self) -> Watchdog:
         # Workers inherit this process's environment (torch elastic passes it on).
         for key, value in self.env().items():
             self._saved_env[key] = os.environ.get(key)

@@ -13,16 +13,15 @@ import sys
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from ddpexp.strategies import dist as ddist
-from ddpexp.launch import proc
 from ddpexp.checkpoint.io import newest_last
+from ddpexp.launch import proc
 from ddpexp.launch.failures import explain_os_error
+from ddpexp.strategies import dist as ddist
 from ddpexp.training.trainer import Trainer
 
 log = logging.getLogger("ddpexp")
@@ -40,11 +39,11 @@ class WorkerPayload:
     config: dict
     run_dir: str
     log_file: str
-    resume_from: Optional[str] = None
+    resume_from: str | None = None
     hparams: dict = field(default_factory=dict)
     in_process: bool = False
     # ddpexp.eval: evaluate this checkpoint on this split instead of training.
-    eval_checkpoint: Optional[str] = None
+    eval_checkpoint: str | None = None
     eval_split: str = "test"
 
 
@@ -74,7 +73,7 @@ def set_threads(local_world_size: int) -> None:
 
 
 @record
-def run_worker(payload: WorkerPayload, store: Optional[dist.Store] = None) -> Optional[dict]:
+def run_worker(payload: WorkerPayload, store: dist.Store | None = None) -> dict | None:
     """Train (or, for ddpexp.eval, evaluate a checkpoint) as one rank; global rank 0 returns
     the run's metrics, the others ``None``. ``store``: one the ranks share already (a SLURM
     step's), for the process group."""

@@ -21,8 +21,8 @@ from __future__ import annotations
 import os
 import re
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Optional
 
 from ddpexp.errors import ConfigError
 
@@ -95,7 +95,7 @@ class World:
                 "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
 
 
-def detect(env: Optional[Mapping[str, str]] = None) -> Optional[World]:
+def detect(env: Mapping[str, str] | None = None) -> World | None:
     """This process's world (module docstring), or ``None`` when ddpexp starts the workers;
     one ConfigError when the variables contradict each other."""
     env = os.environ if env is None else env
@@ -108,7 +108,7 @@ def detect(env: Optional[Mapping[str, str]] = None) -> Optional[World]:
     return None
 
 
-def _int(env: Mapping[str, str], *keys: str, default: Optional[int] = None) -> int:
+def _int(env: Mapping[str, str], *keys: str, default: int | None = None) -> int:
     for key in keys:
         value = env.get(key)
         if value not in (None, ""):
@@ -121,7 +121,7 @@ def _int(env: Mapping[str, str], *keys: str, default: Optional[int] = None) -> i
     return default
 
 
-def _torchrun(env: Mapping[str, str]) -> Optional[World]:
+def _torchrun(env: Mapping[str, str]) -> World | None:
     if "TORCHELASTIC_RUN_ID" not in env:
         return None
     world, local = _int(env, "WORLD_SIZE"), _int(env, "LOCAL_WORLD_SIZE", default=1)
@@ -133,7 +133,7 @@ def _torchrun(env: Mapping[str, str]) -> Optional[World]:
                  run_id=env.get("TORCHELASTIC_RUN_ID", ""))
 
 
-def _mpi(env: Mapping[str, str]) -> Optional[World]:
+def _mpi(env: Mapping[str, str]) -> World | None:
     if "OMPI_COMM_WORLD_SIZE" in env:
         rank, size = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
         local = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", default=0)
@@ -157,7 +157,7 @@ def _mpi(env: Mapping[str, str]) -> Optional[World]:
                  int(port) if port else _derived_port(job))
 
 
-def _slurm(env: Mapping[str, str]) -> Optional[World]:
+def _slurm(env: Mapping[str, str]) -> World | None:
     if "SLURM_PROCID" not in env:
         return None
     try:
@@ -181,7 +181,7 @@ def _slurm(env: Mapping[str, str]) -> Optional[World]:
                  addr, int(port) if port else PORT_BASE + (job * 64 + step) % PORT_SPAN)
 
 
-def _env_vars(env: Mapping[str, str]) -> Optional[World]:
+def _env_vars(env: Mapping[str, str]) -> World | None:
     if _int(env, "WORLD_SIZE", default=1) <= 1 or "RANK" not in env or "MASTER_ADDR" not in env:
         return None
     if _int(env, "PET_NPROC_PER_NODE", default=1) > 1:

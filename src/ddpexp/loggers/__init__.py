@@ -10,15 +10,21 @@ user's logger is not mistaken for a missing optional one.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Mapping, Optional
-
 import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
 from ddpexp.config import components
 from ddpexp.errors import ConfigError, DdpexpError
-from ddpexp.loggers.base import (SUCCESS_STATUSES, Logger, RunInfo, StoreRefused, outputs_root,
-                                 run_name)
+from ddpexp.loggers.base import (
+    SUCCESS_STATUSES,
+    Logger,
+    RunInfo,
+    StoreRefused,
+    outputs_root,
+    run_name,
+)
 from ddpexp.loggers.csv import CSVLogger
 from ddpexp.loggers.mlflow import MLflowLogger
 from ddpexp.loggers.tensorboard import TensorBoardLogger
@@ -59,7 +65,7 @@ def build_loggers(nodes: Mapping[str, dict]) -> dict[str, Logger]:
     return built
 
 
-def _flush_timeout(name: str, node: Any) -> Optional[float]:
+def _flush_timeout(name: str, node: Any) -> float | None:
     """``logger.<name>.flush_timeout_s`` as seconds (None where the entry has none)."""
     value = node.get(FLUSH_TIMEOUT) if isinstance(node, Mapping) else None
     if value is None:
@@ -98,6 +104,6 @@ def record_refusal(nodes: Mapping[str, Any], run_dir: Path, config: dict, hparam
     for name, node in (nodes or {}).items():
         try:
             logger_class(name, node).record_refusal(dict(node), run, error)
-        except Exception as exc:  # noqa: BLE001 - the refusal itself is what the job reports
+        except Exception as exc:
             log.warning("logger.%s could not record the refusal: %s", name,
                         " ".join(str(exc).split())[:300])

@@ -13,9 +13,10 @@ once in the launching process, before any worker or sweep job starts.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from ddpexp.errors import ConfigError
 from ddpexp.record import FINISHED

@@ -9,7 +9,8 @@ import logging
 import signal
 import threading
 import time
-from typing import Any, Iterator, Mapping, Optional
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from ddpexp.loggers.writer import Writer
 from ddpexp.training.signals import stop_signals
@@ -45,7 +46,7 @@ class Loggers(dict):
     """The run's loggers by name. Only global rank 0 has any: on the other ranks this is
     empty, every call is a no-op and no thread is started."""
 
-    def __init__(self, loggers: Optional[Mapping[str, Any]] = None):
+    def __init__(self, loggers: Mapping[str, Any] | None = None):
         super().__init__(loggers or {})
         self._writers = {name: Writer(name, logger) for name, logger in self.items()}
 

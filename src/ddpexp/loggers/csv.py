@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import csv
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Any, Mapping, Optional, cast
+from typing import IO, Any, cast
 
 from ddpexp.loggers.base import Logger, RunInfo
 
@@ -22,7 +23,7 @@ class CSVLogger(Logger):
     """Appends every metric point to ``run_dir/metrics.csv``."""
 
     def __init__(self) -> None:
-        self._file: Optional[IO[str]] = None
+        self._file: IO[str] | None = None
         self._writer: Any = None
 
     def open(self, run: RunInfo) -> None:

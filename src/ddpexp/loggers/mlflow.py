@@ -27,8 +27,9 @@ import random
 import sqlite3
 import tempfile
 import time
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Optional, TypeVar, cast
+from typing import Any, TypeVar, cast
 from urllib.parse import quote
 
 from ddpexp.errors import ConfigError
@@ -37,7 +38,7 @@ from ddpexp.loggers.base import SUCCESS_STATUSES, Logger, RunInfo, StoreRefused
 try:
     import fcntl
 except ImportError:  # Windows: no lock around the first schema creation
-    fcntl = None  # type: ignore[assignment]  # no fcntl off POSIX: no lock, checked where used
+    fcntl = None
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def end_state(status: str) -> str:
 
 def _is_lock_error(exc: BaseException) -> bool:
     """SQLite's "database is locked" (or table/schema locked), however MLflow wrapped it."""
-    seen: Optional[BaseException] = exc
+    seen: BaseException | None = exc
     while seen is not None:
         text = str(seen).lower()
         if "database is locked" in text or "table is locked" in text or "schema is locked" in text:
@@ -130,7 +131,7 @@ def retry(call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         delay = min(delay * 2, 1.0)
 
 
-def _sqlite_path(uri: str) -> Optional[Path]:
+def _sqlite_path(uri: str) -> Path | None:
     """The database file of a ``sqlite:///PATH`` URI (None for others and in-memory ones)."""
     if not uri.startswith("sqlite:///"):
         return None
@@ -138,7 +139,7 @@ def _sqlite_path(uri: str) -> Optional[Path]:
     return Path(path) if path and path != ":memory:" else None
 
 
-def _path_problem(db: Path) -> Optional[str]:
+def _path_problem(db: Path) -> str | None:
     """Why a SQLite database cannot be at ``db`` (missing dir, a dir under a file, a file
     or dir this process cannot write), or None."""
     db = db.expanduser().absolute()
@@ -246,7 +247,7 @@ def _open_store(uri: str, experiment_name: str) -> tuple[Any, str]:
     return client, experiment_id
 
 
-def _key_problem(key: str) -> Optional[str]:
+def _key_problem(key: str) -> str | None:
     """Why MLflow would refuse ``key`` as a param or metric name (which fails the whole
     batch it is in), or None."""
     from mlflow.utils.validation import (
@@ -277,8 +278,8 @@ class MLflowLogger(Logger):
     are waiting or ``flush_every_s`` seconds after the last batch, and at the end.
     """
 
-    def __init__(self, tracking_uri: Optional[str] = None,
-                 experiment_name: str = DEFAULT_EXPERIMENT, run_name: Optional[str] = None,
+    def __init__(self, tracking_uri: str | None = None,
+                 experiment_name: str = DEFAULT_EXPERIMENT, run_name: str | None = None,
                  flush_every_points: int = 1000, flush_every_s: float = 10.0):
         require_mlflow()
         if isinstance(flush_every_points, bool) or not isinstance(flush_every_points, int) \
@@ -294,11 +295,11 @@ class MLflowLogger(Logger):
         self.run_name = run_name
         self.flush_every_points = flush_every_points
         self.flush_every_s = float(flush_every_s)
-        self.run_id: Optional[str] = None
-        self._uri: Optional[str] = None
+        self.run_id: str | None = None
+        self._uri: str | None = None
         self._saved: dict = {}
         self._client: Any = None
-        self._run_dir: Optional[Path] = None
+        self._run_dir: Path | None = None
         self._buffer: list = []
         # The last step stored for each key before this session (resume): re-logged points
         # at or before it are dropped.
@@ -325,7 +326,7 @@ class MLflowLogger(Logger):
                 _open_store(uri, node.get("experiment_name") or DEFAULT_EXPERIMENT)
         except ConfigError:
             raise
-        except Exception as exc:  # noqa: BLE001 - whatever MLflow raises, the store is unusable
+        except Exception as exc:
             what = ("the tracking server does not answer"
                     if uri.startswith(("http://", "https://")) else "the store cannot be opened")
             text = " ".join(str(exc).split())
@@ -377,7 +378,7 @@ class MLflowLogger(Logger):
         params = flatten_params(run.config)
         self._log_params(params)
 
-    def _find_run(self, experiment_id: str, run_dir: Path) -> Optional[str]:
+    def _find_run(self, experiment_id: str, run_dir: Path) -> str | None:
         """The latest MLflow run tagged with ``run_dir``: for a checkpoint written without
         this logger's state (the logger was added on resume, or an older checkpoint)."""
         if "'" in str(run_dir):
@@ -387,7 +388,7 @@ class MLflowLogger(Logger):
                       order_by=["attributes.start_time DESC"], max_results=1)
         return found[0].info.run_id if found else None
 
-    def _continue(self, run_id: Optional[str]) -> bool:
+    def _continue(self, run_id: str | None) -> bool:
         """Reopen ``run_id`` and read the last step stored for each key; False (with a
         warning) when the store has no such run."""
         from mlflow.exceptions import MlflowException
@@ -482,13 +483,13 @@ class MLflowLogger(Logger):
             tags[BEST_TAG] = str(best.resolve())
         try:
             self.flush()
-        except Exception as exc:  # noqa: BLE001 - reported, the run's outcome stands
+        except Exception as exc:
             log.warning("logger.mlflow: could not send the last metric points of MLflow run "
                         "%s: %s", self.run_id, exc)
         try:
             self._set_tags(tags)
             retry(self._client.set_terminated, self.run_id, status=end_state(status))
-        except Exception as exc:  # noqa: BLE001 - reported, the run's outcome stands
+        except Exception as exc:
             log.warning("logger.mlflow: could not end MLflow run %s as %s: %s",
                         self.run_id, status, exc)
 

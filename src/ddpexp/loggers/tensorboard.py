@@ -7,7 +7,8 @@ resumed one purges the steps after its checkpoint, so no step shows twice.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, cast
+from collections.abc import Mapping
+from typing import Any, cast
 
 import yaml
 

@@ -29,8 +29,9 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
 from ddpexp.loggers.base import Logger, RunInfo
 
@@ -78,7 +79,7 @@ class Losses:
     """The points a logger never stored: how many, and the step ranges they span (a range
     grows while no point in between is acknowledged)."""
 
-    def __init__(self, saved: Optional[Mapping[str, Any]] = None):
+    def __init__(self, saved: Mapping[str, Any] | None = None):
         saved = saved or {}
         self.points = int(saved.get("points", 0))
         self.steps: list[list[int]] = [list(r) for r in saved.get("steps", [])]
@@ -128,22 +129,22 @@ class Writer:
         self._cond = threading.Condition()
         self._queue: deque[Call] = deque()
         self._queued_points = 0
-        self._newest: Optional[int] = None
+        self._newest: int | None = None
         self._inflight: list[Call] = []
-        self._acked_step: Optional[int] = None
+        self._acked_step: int | None = None
         self._state: dict = {}
-        self._saved: Optional[dict] = None
-        self._status: Optional[str] = None  # the run's status once end() was called
+        self._saved: dict | None = None
+        self._status: str | None = None  # the run's status once end() was called
         self._abandoned = False
         self._broken = False  # open() failed: every point is lost
         self._last_flush = clock()
-        self._warned_at: Optional[float] = None
-        self._thread: Optional[threading.Thread] = None
+        self._warned_at: float | None = None
+        self._thread: threading.Thread | None = None
         self._opened = threading.Event()
         self.lost = Losses()
 
     # ------------------------------------------------------------------ the loop's side
-    def load(self, state: Optional[dict], queue: Optional[Mapping[str, Any]]) -> None:
+    def load(self, state: dict | None, queue: Mapping[str, Any] | None) -> None:
         """What a checkpoint held: the logger's ``state`` (None: none saved) and this
         writer's ``queue`` entry (None: a checkpoint from before writers, whose step was
         stored whole)."""
@@ -242,7 +243,7 @@ class Writer:
             if not run.resumed:
                 self.logger.log_hparams(run.hparams)
             state = self.logger.state_dict()
-        except Exception as exc:  # noqa: BLE001 - a logger never ends the run
+        except Exception as exc:
             self._broken = True
             log.warning("logger.%s could not open (%s): it records nothing of this run from "
                         "step %d on; the run trains on", self.name, _cause(exc), run.step + 1)
@@ -262,10 +263,10 @@ class Writer:
                 return
         try:
             self.logger.finalize(self._status or "failed")
-        except Exception as exc:  # noqa: BLE001 - reported; the run's outcome stands
+        except Exception as exc:
             log.warning("logger.%s could not finish: %s", self.name, _cause(exc))
 
-    def _take(self) -> Optional[list[Call]]:
+    def _take(self) -> list[Call] | None:
         """The next calls to send once they are due; None once the run has ended and the
         queue is empty, or the writer was abandoned."""
         with self._cond:
@@ -312,7 +313,7 @@ class Writer:
                 self.logger.log_metrics(call.metrics, call.step, call.epoch)
             self.logger.flush()
             state = self.logger.state_dict()
-        except Exception as exc:  # noqa: BLE001 - a logger never ends the run
+        except Exception as exc:
             with self._cond:
                 if self._abandoned:
                     return
@@ -336,7 +337,7 @@ class Writer:
         run: an info line)."""
         with self._cond:
             now, first = self._clock(), self._warned_at is None
-            if not first and now - self._warned_at < WARN_EVERY_S:  # type: ignore[operator]  # not first: set
+            if not first and now - self._warned_at < WARN_EVERY_S:  # pyright: ignore[reportOperatorIssue]  # not first: set
                 (log.info if final else log.debug)("logger.%s lost %s: %s", self.name,
                                                    _steps(calls), why)
                 return

@@ -33,7 +33,7 @@ __getattr__, __dir__ = lazy_attributes(__name__, {
 })
 
 
-def for_config(t: "TrainerConfig", ctx: "DistContext") -> "Local":
+def for_config(t: TrainerConfig, ctx: DistContext) -> Local:
     """The strategy of ``trainer.strategy`` (``auto`` is resolved by the launcher)."""
     from ddpexp.config.schema import Strategy
     from ddpexp.strategies.base import Local

@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, ContextManager, Iterable, Iterator, Mapping, Optional, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ddpexp.checkpoint import io as ckpt_io
-from ddpexp.strategies.blocks import checkpoint_activations, find_blocks
 from ddpexp.config.schema import Strategy, TrainerConfig
+from ddpexp.strategies.blocks import checkpoint_activations, find_blocks
 from ddpexp.strategies.dist import DistContext
 
 log = logging.getLogger("ddpexp")
@@ -55,7 +57,7 @@ class Local:
             return nn.DataParallel(module)
         return module
 
-    def no_sync(self, model: nn.Module, sync: bool) -> ContextManager[Any]:
+    def no_sync(self, model: nn.Module, sync: bool) -> AbstractContextManager[Any]:
         """The context of a micro-batch's forward and backward; ``sync`` is False for all but
         the last micro-batch of an optimizer step."""
         return contextlib.nullcontext()
@@ -64,7 +66,7 @@ class Local:
         """Clip the total gradient norm to ``max_norm``; return the norm before clipping."""
         return nn.utils.clip_grad_norm_(params, max_norm)
 
-    def grad_norm(self, params: Iterable[torch.Tensor]) -> Optional[torch.Tensor]:
+    def grad_norm(self, params: Iterable[torch.Tensor]) -> torch.Tensor | None:
         """The total gradient norm over all ranks' gradients (None without gradients)."""
         grads = [p.grad for p in params if p.grad is not None]
         return nn.utils.get_total_norm(grads) if grads else None
@@ -86,7 +88,7 @@ class Local:
     def optimizer_state(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         return optimizer.state_dict()
 
-    def save(self, state: Optional[dict], last: Path, copies: Sequence[Path] = ()) -> None:
+    def save(self, state: dict | None, last: Path, copies: Sequence[Path] = ()) -> None:
         """Write ``state`` (from :func:`ddpexp.checkpoint.state.gather`: rank 0's dict, None elsewhere)
         as ``last`` and one-file ``copies`` of it (best.pt, top-k). Every rank calls it."""
         if state is None:
@@ -113,7 +115,7 @@ class Local:
         else:
             optimizer.load_state_dict(saved)
 
-    def load_full_weights(self, module: nn.Module, weights: Optional[Mapping[str, torch.Tensor]]) -> None:
+    def load_full_weights(self, module: nn.Module, weights: Mapping[str, torch.Tensor] | None) -> None:
         """Load whole ``weights`` that global rank 0 read (None elsewhere) into every rank's
         model. Every rank calls it."""
         if weights is not None:

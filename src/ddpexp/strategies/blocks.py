@@ -14,7 +14,8 @@ Which modules are blocks, first match wins:
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, cast
+from collections.abc import Sequence
+from typing import Any, cast
 
 from torch import nn
 
@@ -22,7 +23,7 @@ from ddpexp.config.lists import as_list
 from ddpexp.errors import ConfigError
 
 
-def find_blocks(model: nn.Module, wrap: Optional[Sequence[str] | str] = None) -> list[nn.Module]:
+def find_blocks(model: nn.Module, wrap: Sequence[str] | str | None = None) -> list[nn.Module]:
     """The blocks of ``model`` by the rules above, outermost first, none nested in another.
     ``wrap``: class names, or one class name."""
     wrap = [str(w) for w in as_list(wrap)]

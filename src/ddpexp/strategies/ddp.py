@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any
 
 from torch import nn
-from ddpexp.strategies.base import Local
 
+from ddpexp.strategies.base import Local
 
 log = logging.getLogger("ddpexp")
 
@@ -33,5 +34,5 @@ class DDP(Local):
                                        find_unused_parameters=self.t.find_unused_parameters,
                                        gradient_as_bucket_view=True)
 
-    def no_sync(self, model: nn.Module, sync: bool) -> ContextManager[Any]:
-        return contextlib.nullcontext() if sync else model.no_sync()  # type: ignore[operator]  # DDP's method
+    def no_sync(self, model: nn.Module, sync: bool) -> AbstractContextManager[Any]:
+        return contextlib.nullcontext() if sync else model.no_sync()  # pyright: ignore[reportCallIssue]  # DDP's method

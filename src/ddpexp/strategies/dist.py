@@ -11,7 +11,7 @@ import random
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional, cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -64,7 +64,7 @@ def context_from_env(gpus: int) -> DistContext:
 
 
 def init_process_group(ctx: DistContext, timeout_s: float, force: bool = False,
-                       store: Optional[dist.Store] = None) -> None:
+                       store: dist.Store | None = None) -> None:
     """NCCL on GPUs, gloo on CPUs, with a collective timeout so that a stuck rank fails the
     run instead of hanging it. With one process and ``force`` (strategy=ddp on one worker) an
     in-memory store is used, so no port is opened. ``store`` is one the ranks already share

@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, ContextManager, Iterable, Iterator, Mapping, Optional, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ddpexp.checkpoint import io as ckpt_io
-from ddpexp.strategies.blocks import find_blocks
 from ddpexp.config.schema import TrainerConfig
-from ddpexp.strategies.dist import DistContext
 from ddpexp.errors import ConfigError
 from ddpexp.strategies.base import _optimizer_by_name, _whole
+from ddpexp.strategies.blocks import find_blocks
 from ddpexp.strategies.ddp import DDP
+from ddpexp.strategies.dist import DistContext
 
 log = logging.getLogger("ddpexp")
 
@@ -81,16 +83,16 @@ class FSDP(DDP):
                      len(self.blocks), kind, self.ctx.world_size)
         return module
 
-    def no_sync(self, model: nn.Module, sync: bool) -> ContextManager[Any]:
+    def no_sync(self, model: nn.Module, sync: bool) -> AbstractContextManager[Any]:
         # FSDP2 has no no_sync(): a micro-batch that is not the step's last keeps its
         # unsharded gradients and skips the reduce-scatter.
-        model.set_requires_gradient_sync(sync)  # type: ignore[operator]  # FSDPModule's method, not Module's
+        model.set_requires_gradient_sync(sync)  # pyright: ignore[reportCallIssue]  # FSDPModule's method, not Module's
         return contextlib.nullcontext()
 
     def clip(self, params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
         return _whole(nn.utils.clip_grad_norm_(list(params), max_norm))
 
-    def grad_norm(self, params: Iterable[torch.Tensor]) -> Optional[torch.Tensor]:
+    def grad_norm(self, params: Iterable[torch.Tensor]) -> torch.Tensor | None:
         norm = super().grad_norm(params)
         return None if norm is None else _whole(norm)
 
@@ -126,7 +128,7 @@ class FSDP(DDP):
 
         return get_optimizer_state_dict(module, optimizer)
 
-    def save(self, state: Optional[dict], last: Path, copies: Sequence[Path] = ()) -> None:
+    def save(self, state: dict | None, last: Path, copies: Sequence[Path] = ()) -> None:
         assert state is not None  # every rank gathers its shards
         tensors = {k: state.pop(k) for k in ckpt_io.SHARDED_KEYS if k in state}
         ckpt_io.save_sharded(tensors, state if self.ctx.is_main else None, last, self.ctx.is_main)
@@ -159,14 +161,17 @@ class FSDP(DDP):
         return state
 
     def load_optimizer(self, module: nn.Module, optimizer: torch.optim.Optimizer, saved: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
         from torch.distributed.tensor import DTensor
 
         whole = not any(isinstance(v, DTensor) for s in saved["state"].values() for v in s.values())
         set_optimizer_state_dict(module, optimizer, saved,
                                  options=StateDictOptions(full_state_dict=whole))
 
-    def _gather(self, weights: Mapping[str, torch.Tensor]) -> Optional[dict]:
+    def _gather(self, weights: Mapping[str, torch.Tensor]) -> dict | None:
         """``weights`` (a ``"model"`` entry of shards) as whole tensors on the CPU, on
         global rank 0 (None elsewhere): one tensor at a time. Every rank calls it."""
         from torch.distributed.tensor import DTensor
@@ -180,7 +185,7 @@ class FSDP(DDP):
             out[name] = done[id(value)]
         return out if self.ctx.is_main else None
 
-    def load_full_weights(self, module: nn.Module, weights: Optional[Mapping[str, torch.Tensor]]) -> None:
+    def load_full_weights(self, module: nn.Module, weights: Mapping[str, torch.Tensor] | None) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         set_model_state_dict(module, dict(weights or {}), options=StateDictOptions(

@@ -36,8 +36,9 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 log = logging.getLogger("hydra_plugins.ddpexp_launcher")
 
@@ -60,7 +61,7 @@ LIGHT = "--light"
 # How long a sweep waits at its start for the server's imports before its jobs start afresh.
 READY_TIMEOUT_S = 120.0
 # In a forked job process: the pid of the server it was forked from (None elsewhere).
-FORKED_FROM: Optional[int] = None
+FORKED_FROM: int | None = None
 
 
 def native_threads() -> int:
@@ -91,7 +92,7 @@ def serve(requests: int, replies: int, preload: Sequence[str]) -> int:
     try:
         for name in modules:
             importlib.import_module(name)
-    except Exception as exc:  # noqa: BLE001 - any import failure means: start jobs afresh
+    except Exception as exc:
         say({"failed": f"importing {name} raised {type(exc).__name__}: {exc}"})
         return 1
     baseline = native_threads()
@@ -125,7 +126,7 @@ def serve(requests: int, replies: int, preload: Sequence[str]) -> int:
             say({"id": request["id"], "pid": pid})
 
 
-def _unsafe(baseline: int) -> Optional[str]:
+def _unsafe(baseline: int) -> str | None:
     """Why forking now is not safe, or None."""
     if threading.active_count() != 1:
         names = ", ".join(t.name for t in threading.enumerate() if t is not threading.main_thread())
@@ -170,7 +171,7 @@ def _child(request: dict, requests: int, out: Any) -> None:
         code = job.main(request["spec"], request["result"])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:  # noqa: BLE001 - the job process reports whatever ended it
+    except BaseException:
         import traceback
 
         traceback.print_exc()
@@ -186,12 +187,12 @@ class ForkedJob:
     """A job process forked by the server, with the part of ``subprocess.Popen``'s interface
     the launcher uses (``pid``, ``poll()``, ``returncode``)."""
 
-    def __init__(self, server: "ForkServer", pid: int) -> None:
+    def __init__(self, server: ForkServer, pid: int) -> None:
         self.server = server
         self.pid = pid
-        self.returncode: Optional[int] = None
+        self.returncode: int | None = None
 
-    def poll(self) -> Optional[int]:
+    def poll(self) -> int | None:
         if self.returncode is None:
             self.returncode = self.server.exit_code(self.pid)
         return self.returncode
@@ -206,15 +207,15 @@ class ForkServer:
         """``preload``: modules the server imports besides :data:`BASE`; ``torch``: import
         :data:`PRELOAD` (torch and ddpexp's run) too."""
         self.preload = list(preload) + ([] if torch else [LIGHT])
-        self.proc: Optional[subprocess.Popen] = None
-        self.broken: Optional[str] = None
-        self._to_server: Optional[int] = None
+        self.proc: subprocess.Popen | None = None
+        self.broken: str | None = None
+        self._to_server: int | None = None
         self._lock = threading.Condition()
-        self._replies: Dict[int, dict] = {}
-        self._exits: Dict[int, int] = {}
-        self._ready: Optional[dict] = None
+        self._replies: dict[int, dict] = {}
+        self._exits: dict[int, int] = {}
+        self._ready: dict | None = None
         self._next_id = 0
-        self._reader: Optional[threading.Thread] = None
+        self._reader: threading.Thread | None = None
 
     def start(self) -> None:
         """Start the server; its imports run while the launcher prepares the jobs."""
@@ -277,7 +278,7 @@ class ForkServer:
             self.broken = why
             log.warning("ddp launcher: jobs start in a fresh interpreter each: %s", why)
 
-    def spawn(self, spec: Path, result: Path, env: Dict[str, str]) -> Optional[ForkedJob]:
+    def spawn(self, spec: Path, result: Path, env: dict[str, str]) -> ForkedJob | None:
         """A forked job process running ``spec``, or None when the job must start in a
         fresh interpreter instead."""
         if self.broken is not None or self._to_server is None:
@@ -302,7 +303,7 @@ class ForkServer:
             return None
         return ForkedJob(self, reply["pid"])
 
-    def exit_code(self, pid: int) -> Optional[int]:
+    def exit_code(self, pid: int) -> int | None:
         """The exit code of forked job ``pid`` once it has ended (None while it runs). A
         server that died first leaves its children unreported: they are gone with it, or
         orphaned, and the launcher kills their group either way."""
@@ -341,7 +342,7 @@ class ForkServer:
 
 # ------------------------------------------------------------------------------ early start
 # The server :func:`start_early` started for the command's sweep, until a sweep takes it.
-_EARLY: Optional[ForkServer] = None
+_EARLY: ForkServer | None = None
 # The flags that print instead of running, another primary config (which may pick another
 # launcher, turn forking off or preload modules), and modules of the user's own to preload.
 _NOT_FORKING_EARLY = {"--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i",
@@ -376,7 +377,7 @@ def start_early(argv: Sequence[str]) -> None:
         _EARLY.start()
 
 
-def adopt_early(preload: Sequence[str], torch: bool) -> Optional[ForkServer]:
+def adopt_early(preload: Sequence[str], torch: bool) -> ForkServer | None:
     """The server :func:`start_early` started, for a sweep whose server imports what that
     one does (torch and ddpexp's run, nothing else); None (and that server ended) otherwise."""
     global _EARLY
@@ -405,7 +406,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def main(argv: List[str]) -> int:
+def main(argv: list[str]) -> int:
     return serve(int(argv[0]), int(argv[1]), argv[2:])
 
 

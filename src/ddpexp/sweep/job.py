@@ -56,7 +56,7 @@ def _portable(ret: Any) -> bytes:
 
     try:
         return cloudpickle.dumps(ret)
-    except Exception:  # noqa: BLE001 - any pickling failure has the same remedy
+    except Exception:
         value = ret._return_value
         if isinstance(value, BaseException):
             ret._return_value = RuntimeError(

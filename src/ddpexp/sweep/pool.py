@@ -34,22 +34,23 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, cast
+from typing import Any, cast
 
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, setup_globals
 from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from ddpexp.config.rundir import drop_unused_claims
 from ddpexp.config.cli import SWEEP_COMMAND_ENV, continue_sweep, sweep_command
+from ddpexp.config.rundir import drop_unused_claims
 from ddpexp.errors import RunInterrupted
+from ddpexp.record import FINISHED, JOB_STARTED_ENV, read_metrics_or_empty
 from ddpexp.sweep.forkserver import ForkedJob, ForkServer, adopt_early, discard_early
 from ddpexp.sweep.job import job_workers
 from ddpexp.sweep.summary import job_error, summarize
-from ddpexp.record import FINISHED, JOB_STARTED_ENV, read_metrics_or_empty
 
 log = logging.getLogger("hydra_plugins.ddpexp_launcher")
 
@@ -92,7 +93,7 @@ class Slices:
                 start = end
         else:
             chunks = [[] for _ in range(n)]
-        self.free_cores: List[List[int]] = chunks
+        self.free_cores: list[list[int]] = chunks
         self.all_gpus = list(gpu_ids)
         self.free_gpus = list(gpu_ids)
 
@@ -101,7 +102,7 @@ class Slices:
         """Core sets not in use."""
         return len(self.free_cores)
 
-    def take(self, gpus: int, workers: int = 1) -> Optional[tuple]:
+    def take(self, gpus: int, workers: int = 1) -> tuple | None:
         """A (cores, gpu ids) slice for a job that needs ``gpus`` GPUs, or None to wait.
         A job asking for more GPUs than the pool holds gets the whole pool when it is idle,
         so that it fails with its own clear message instead of waiting forever."""
@@ -119,7 +120,7 @@ class Slices:
         self.all_gpus = list(gpu_ids)
         self.free_gpus = list(gpu_ids)
 
-    def give_back(self, cores: List[int], ids: List[str]) -> None:
+    def give_back(self, cores: list[int], ids: list[str]) -> None:
         self.free_cores.append(cores)
         self.free_cores.sort()
         self.free_gpus = [g for g in self.all_gpus if g in set(self.free_gpus) | set(ids)]
@@ -160,7 +161,7 @@ class Packing:
                        // len(self.all_gpus))
         return min(need, len(self.all_cores)) if self.all_cores else 0
 
-    def take(self, gpus: int, workers: int = 1) -> Optional[tuple]:
+    def take(self, gpus: int, workers: int = 1) -> tuple | None:
         idle = len(self.free_cores) == len(self.all_cores) and len(self.free_gpus) == len(self.all_gpus)
         if not idle and self.peak_bytes and available_memory() < self.peak_bytes:
             if not self._memory_said:
@@ -183,7 +184,7 @@ class Packing:
         self.all_gpus = list(gpu_ids)
         self.free_gpus = list(gpu_ids)
 
-    def give_back(self, cores: List[int], ids: List[str]) -> None:
+    def give_back(self, cores: list[int], ids: list[str]) -> None:
         self.free_cores = sorted(set(self.free_cores) | set(cores))
         self.free_gpus = [g for g in self.all_gpus if g in set(self.free_gpus) | set(ids)]
 
@@ -199,7 +200,7 @@ class Packing:
                 "each; hydra.launcher.max_parallel=K for K equal slices)")
 
 
-def _fit(gpus: int, free: List[str], every: List[str]) -> Optional[int]:
+def _fit(gpus: int, free: list[str], every: list[str]) -> int | None:
     """The GPUs a job asking for ``gpus`` gets now, or None to wait: the whole pool (once
     idle) for one asking for more than the pool holds."""
     if gpus > len(every):
@@ -207,7 +208,7 @@ def _fit(gpus: int, free: List[str], every: List[str]) -> Optional[int]:
     return gpus if gpus <= len(free) else None
 
 
-def _cores() -> List[int]:
+def _cores() -> list[int]:
     """The cores this process may use; where the system has no affinity mask (macOS), as many
     as it has (counted, not pinned: the job sets an affinity only where it can)."""
     if hasattr(os, "sched_getaffinity"):
@@ -228,14 +229,14 @@ def available_memory() -> int:
     return 1 << 62
 
 
-def make_slices(launcher: Any) -> "Slices | Packing":
+def make_slices(launcher: Any) -> Slices | Packing:
     """The launcher's way of sharing the machine: K equal slices for ``max_parallel=K``,
     packing for ``max_parallel: null``."""
     parallel = getattr(launcher, "max_parallel", None)
     return Packing([]) if parallel is None else Slices(max(1, int(parallel)), [])
 
 
-def _gpu_pool(limit: Optional[int]) -> List[str]:
+def _gpu_pool(limit: int | None) -> list[str]:
     """The GPU ids this sweep may hand out (entries of CUDA_VISIBLE_DEVICES if set)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
@@ -253,26 +254,26 @@ class Job:
     """One sweep job, from its overrides to its JobReturn."""
 
     idx: int
-    overrides: List[str]
-    config: Optional[DictConfig] = None
-    dir: Optional[Path] = None
+    overrides: list[str]
+    config: DictConfig | None = None
+    dir: Path | None = None
     gpus: int = 0
     # Its run's worker processes on this machine: a core each when the launcher packs.
     workers: int = 1
-    ret: Optional[JobReturn] = None
-    proc: Optional[subprocess.Popen | ForkedJob] = None
-    slice: Optional[tuple] = None
+    ret: JobReturn | None = None
+    proc: subprocess.Popen | ForkedJob | None = None
+    slice: tuple | None = None
     started: float = 0.0
-    stopping_since: Optional[float] = None
+    stopping_since: float | None = None
     timed_out: bool = False
-    files: List[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
     # Extra environment of the job process (its workers inherit it).
-    env: Dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
     ended: float = 0.0
     # The last signal the launcher sent to stop the job because the sweep was stopped.
-    stop_signal: Optional[str] = None
+    stop_signal: str | None = None
     # The signal that interrupted the job (it ended without failing), once it has ended.
-    interrupted_by: Optional[str] = None
+    interrupted_by: str | None = None
     # The most memory the job's processes held, as the job measured it (0: not known).
     peak_bytes: int = 0
 
@@ -327,7 +328,7 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
         raise SweepInterrupted(
             f"the sweep was stopped by {pool.stopped}. To finish it, {continue_sweep(sweep_dir)}"
         )
-    return [j.ret for j in jobs]  # type: ignore[misc]  # every job has ended: each has its JobReturn
+    return [j.ret for j in jobs]  # pyright: ignore[reportReturnType]  # every job has ended: each has its JobReturn
 
 
 def begin(launcher: Any) -> Path:
@@ -365,11 +366,11 @@ class Pool:
     def __init__(self, launcher: Any) -> None:
         self.launcher = launcher
         self.slices = make_slices(launcher)
-        self.running: List[Job] = []
+        self.running: list[Job] = []
         self._gpus_known = False
         self._signals = _StopSignals()
-        self._workdir: Optional[Path] = None
-        self._server: Optional[ForkServer] = None
+        self._workdir: Path | None = None
+        self._server: ForkServer | None = None
 
     def start_server(self) -> None:
         """Start the fork server, so that its imports run while the caller prepares the jobs
@@ -386,7 +387,7 @@ class Pool:
                 self._server = ForkServer(preload, torch=ddpexp_app)
                 self._server.start()
 
-    def __enter__(self) -> "Pool":
+    def __enter__(self) -> Pool:
         self._workdir = Path(tempfile.mkdtemp(prefix="ddp-launcher-"))
         self.start_server()
         if self._server is not None:
@@ -409,7 +410,7 @@ class Pool:
             configure_log(config.hydra.hydra_logging, config.hydra.verbose)
 
     @property
-    def stopped(self) -> Optional[str]:
+    def stopped(self) -> str | None:
         """The name of the signal that stopped the sweep, or None."""
         return self._signals.signal_name
 
@@ -433,18 +434,18 @@ class Pool:
         self.running.append(job)
         return True
 
-    def wait_any(self) -> List[Job]:
+    def wait_any(self) -> list[Job]:
         """Wait until at least one running job has ended; return those that did, each with
         its ``ret`` and its slice given back. Time limits and the stop signal are enforced
         meanwhile. Returns at once (empty) when no job is running."""
         while self.running:
             ended = []
             for job in list(self.running):
-                if job.proc.poll() is not None:  # type: ignore[union-attr]  # a running job has its process
+                if job.proc.poll() is not None:  # pyright: ignore[reportOptionalMemberAccess]  # a running job has its process
                     _finish(job)
                     if job.peak_bytes and isinstance(self.slices, Packing):
                         self.slices.saw_peak(job.peak_bytes)
-                    self.slices.give_back(*job.slice)  # type: ignore[misc]  # a started job holds its slice
+                    self.slices.give_back(*job.slice)  # pyright: ignore[reportOptionalIterable]  # a started job holds its slice
                     self.running.remove(job)
                     ended.append(job)
                 else:
@@ -455,7 +456,7 @@ class Pool:
         return []
 
 
-def prepare(launcher: Any, overrides: List[str], idx: int, sweep_dir: Path) -> Job:
+def prepare(launcher: Any, overrides: list[str], idx: int, sweep_dir: Path) -> Job:
     """Compose the job's config (a bad override fails this job only) and decide whether it
     runs at all (``resume=auto`` and already completed: it does not)."""
     job = Job(idx, overrides)
@@ -471,7 +472,7 @@ def prepare(launcher: Any, overrides: List[str], idx: int, sweep_dir: Path) -> J
         job.dir = sweep_dir / str(cfg.hydra.sweep.subdir)
         job.gpus = int(OmegaConf.select(cfg, "trainer.gpus", default=0) or 0)
         job.workers = job_workers(cfg)
-    except Exception as exc:  # noqa: BLE001 - whatever composing raises fails this job only
+    except Exception as exc:
         job.ret = JobReturn(overrides=overrides, status=JobStatus.FAILED, _return_value=exc)
         return job
     if OmegaConf.select(cfg, "resume", default=None) == "auto":
@@ -506,14 +507,14 @@ def _check_resume(job: Job) -> None:
                         _return_value=value)
 
 
-def _comparable(overrides: Sequence[str]) -> List[str]:
+def _comparable(overrides: Sequence[str]) -> list[str]:
     return sorted(o for o in map(str, overrides)
                   if not o.startswith(("resume=", "hydra.", "hydra/", "+hydra", "~hydra")))
 
 
 # ------------------------------------------------------------------------------ running
 def _start(launcher: Any, job: Job, taken: tuple, split: bool, workdir: Path,
-           server: Optional[ForkServer] = None) -> None:
+           server: ForkServer | None = None) -> None:
     """Write the job's spec and start its process: forked by ``server`` where it can,
     else a fresh ``python -m ddpexp.sweep.job``."""
     import cloudpickle
@@ -553,7 +554,7 @@ def _start(launcher: Any, job: Job, taken: tuple, split: bool, workdir: Path,
     )
 
 
-def _where(cores: List[int], gpu_ids: List[str]) -> str:
+def _where(cores: list[int], gpu_ids: list[str]) -> str:
     parts = []
     if cores:
         parts.append("cores " + ",".join(map(str, cores)))
@@ -562,7 +563,7 @@ def _where(cores: List[int], gpu_ids: List[str]) -> str:
     return f"  [{'; '.join(parts)}]" if parts else ""
 
 
-def _enforce_limits(launcher: Any, job: Job, stop: "_StopSignals") -> None:
+def _enforce_limits(launcher: Any, job: Job, stop: _StopSignals) -> None:
     """SIGTERM a job over its time limit or when the sweep is stopped; SIGKILL its group
     when it has not exited ``kill_grace_s`` later."""
     now = time.time()
@@ -585,26 +586,26 @@ def _enforce_limits(launcher: Any, job: Job, stop: "_StopSignals") -> None:
 
 def _signal_group(job: Job, sig: int) -> None:
     try:
-        os.killpg(job.proc.pid, sig)  # type: ignore[union-attr]  # only started jobs are signalled
+        os.killpg(job.proc.pid, sig)  # pyright: ignore[reportOptionalMemberAccess]  # only started jobs are signalled
     except (ProcessLookupError, PermissionError):
         pass
 
 
 def _finish(job: Job) -> None:
     """Read the job's JobReturn; a job that died without one gets a FAILED return saying how."""
-    code = cast(int, job.proc.returncode)  # type: ignore[union-attr]  # only started jobs finish, after poll() gave their code
+    code = cast(int, job.proc.returncode)  # pyright: ignore[reportOptionalMemberAccess]  # only started jobs finish, after poll() gave their code
     job.ended = time.time()
     # Workers of a job that died abruptly may outlive it: nothing of a job survives it.
     _signal_group(job, signal.SIGKILL)
     result_path = Path(job.files[1])
     job.peak_bytes = _peak(result_path)
-    ret: Optional[JobReturn] = None
+    ret: JobReturn | None = None
     if result_path.is_file():
         import cloudpickle
 
         try:
             ret = cloudpickle.loads(result_path.read_bytes())
-        except Exception as exc:  # noqa: BLE001 - a result file that does not unpickle, whatever the reason, is the job's failure
+        except Exception as exc:
             ret = None
             why = f"its result could not be read ({type(exc).__name__}: {exc})"
     if ret is None:
@@ -634,7 +635,7 @@ def _finish(job: Job) -> None:
                 log_file = job.dir / f"{job.config.hydra.job.name}.log"
             wrapped = JobFailed(f"job {job.idx} failed with {job_error(ret)}\n"
                                 f"(its traceback is in {log_file})")
-            wrapped.original = exc  # type: ignore[attr-defined]  # kept for a caller that wants the job's own exception
+            wrapped.original = exc  # pyright: ignore[reportAttributeAccessIssue]  # kept for a caller that wants the job's own exception
             ret._return_value = wrapped
     job.ret = ret
     job.interrupted_by = _interruption(job, code)
@@ -650,7 +651,7 @@ def _peak(result_path: Path) -> int:
         return 0
 
 
-def _interruption(job: Job, code: int) -> Optional[str]:
+def _interruption(job: Job, code: int) -> str | None:
     """The signal that stopped ``job`` when it was interrupted rather than failed: the run
     said so (it saved a checkpoint and names the signal it got), or its process ended on the
     signal the launcher sent it because the sweep was stopped."""
@@ -670,8 +671,8 @@ class _StopSignals:
     running ones (ddpexp saves a checkpoint), SIGKILL after the grace period."""
 
     def __init__(self) -> None:
-        self.signal_name: Optional[str] = None
-        self._old: Dict[int, Any] = {}
+        self.signal_name: str | None = None
+        self._old: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signal_name is None:
@@ -679,7 +680,7 @@ class _StopSignals:
             log.warning("%s: stopping the sweep's jobs (they save a checkpoint first)",
                         self.signal_name)
 
-    def __enter__(self) -> "_StopSignals":
+    def __enter__(self) -> _StopSignals:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._old[sig] = signal.signal(sig, self._handle)

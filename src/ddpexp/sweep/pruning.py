@@ -6,7 +6,8 @@ of its storage), and the environment a trial's job is started with. The trial's 
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ddpexp.errors import ConfigError
 

@@ -22,21 +22,21 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any, Dict, List, Literal, Optional, cast
+from typing import Any, Literal, cast
 
 import yaml
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
 
-from ddpexp.sweep import pruning
 from ddpexp.config.cli import continue_sweep
-from ddpexp.errors import ConfigError
 from ddpexp.config.monitor import resolve_monitor
+from ddpexp.errors import ConfigError
 from ddpexp.record import read_metrics_or_empty
 from ddpexp.sweep import pool as sweep_pool
+from ddpexp.sweep import pruning
+from ddpexp.sweep import space as sweep_space
 from ddpexp.sweep.summary import job_error, summarize
 from hydra_plugins.ddpexp_launcher.ddp_launcher import DdpLauncher
-from ddpexp.sweep import space as sweep_space
 
 log = logging.getLogger("hydra_plugins.ddpexp_optuna_sweeper")
 
@@ -50,7 +50,7 @@ class SearchStopped(sweep_pool.JobFailed):
     """The search ended early: a trial failed under ``fail_fast``, or no trial completed."""
 
 
-def run(sweeper: Any, arguments: List[str]) -> Optional[dict]:
+def run(sweeper: Any, arguments: list[str]) -> dict | None:
     """Run the search; return the best trial's ``{"params", "value", "number"}`` (None when
     no trial completed)."""
     import optuna
@@ -91,7 +91,7 @@ def _direction(sweeper: Any, config: Any) -> Literal["maximize", "minimize"]:
     return cast(Literal["maximize", "minimize"], direction)  # one of DIRECTIONS
 
 
-def _sampler(spec: Dict[str, Any], space: Dict[str, Any]) -> Any:
+def _sampler(spec: dict[str, Any], space: dict[str, Any]) -> Any:
     import optuna
 
     name = str(spec.get("name", "tpe")).lower()
@@ -107,7 +107,7 @@ def _sampler(spec: Dict[str, Any], space: Dict[str, Any]) -> Any:
     raise ConfigError(f"hydra.sweeper.sampler.name={name} is not one of {', '.join(SAMPLERS)}")
 
 
-def _open_study(sweeper: Any, config: Any, sweep_dir: Path, space: Dict[str, Any]) -> Any:
+def _open_study(sweeper: Any, config: Any, sweep_dir: Path, space: dict[str, Any]) -> Any:
     """The study in the sweep dir: created, or (``resume=auto``) loaded. An existing study
     without ``resume=auto`` is refused, so that a second search never mixes into it."""
     import optuna
@@ -135,19 +135,19 @@ def _open_study(sweeper: Any, config: Any, sweep_dir: Path, space: Dict[str, Any
 class _Search:
     """One invocation of the search: resume what was cut off, ask until ``n_trials``, tell."""
 
-    def __init__(self, sweeper: Any, study: Any, fixed: List[str], space: Dict[str, Any],
+    def __init__(self, sweeper: Any, study: Any, fixed: list[str], space: dict[str, Any],
                  sweep_dir: Path) -> None:
         self.sweeper, self.study, self.fixed, self.space = sweeper, study, fixed, space
         self.launcher = sweeper.launcher
         self.sweep_dir = sweep_dir
-        self.jobs: List[sweep_pool.Job] = []
+        self.jobs: list[sweep_pool.Job] = []
         self.failed = False
         self.monitor = _monitored(sweeper.config)[0]
-        self.cut_off: List[Any] = []  # trials RUNNING in the study when this search started
+        self.cut_off: list[Any] = []  # trials RUNNING in the study when this search started
         self.to_ask = 0
 
     # ------------------------------------------------------------------ the loop
-    def run(self) -> Optional[dict]:
+    def run(self) -> dict | None:
         from optuna.trial import TrialState
 
         trials = self.study.get_trials(deepcopy=False)
@@ -191,7 +191,7 @@ class _Search:
                                 "and the failures above")
         return best
 
-    def _fill(self, pool: sweep_pool.Pool, waiting: Optional[sweep_pool.Job]) -> Optional[sweep_pool.Job]:
+    def _fill(self, pool: sweep_pool.Pool, waiting: sweep_pool.Job | None) -> sweep_pool.Job | None:
         """Start trials while a slot is free and trials remain; return the job that waits
         for its GPUs, if one does. A trial is asked only when a slot is free for it, so that
         its time in the study is its time on a slot."""
@@ -209,7 +209,7 @@ class _Search:
             waiting = None
         return waiting
 
-    def _next(self) -> Optional[sweep_pool.Job]:
+    def _next(self) -> sweep_pool.Job | None:
         """The next trial's job: one cut off before first, then newly asked ones until the
         study holds ``n_trials``; None when none is left."""
         if self.cut_off:
@@ -265,7 +265,7 @@ class _Search:
         log.info("\ttrial %d: %s (%s)", number, "pruned" if state == "pruned" else "failed", why)
 
     # ------------------------------------------------------------------ results
-    def _results(self) -> Optional[dict]:
+    def _results(self) -> dict | None:
         """Print the best trial and write ``optimization_results.yaml``."""
         from optuna.trial import TrialState
 

@@ -13,30 +13,36 @@ Any other override is fixed: every trial gets it as it is.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Sequence, Tuple, cast
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import (ChoiceSweep, IntervalSweep, Override, RangeSweep,
-                                              Transformer)
+from hydra.core.override_parser.types import (
+    ChoiceSweep,
+    IntervalSweep,
+    Override,
+    RangeSweep,
+    Transformer,
+)
 
 from ddpexp.errors import ConfigError
 
 
-def parse(arguments: Sequence[str], params: Mapping[str, str]) -> Tuple[List[str], Dict[str, Any]]:
+def parse(arguments: Sequence[str], params: Mapping[str, str]) -> tuple[list[str], dict[str, Any]]:
     """``hydra.sweeper.params`` and the command line's task overrides (which win for the same
     key) as (fixed overrides, {key: optuna distribution})."""
     lines = [f"{key}={value}" for key, value in params.items()] + list(arguments)
     parser = OverridesParser.create()
-    by_key: Dict[str, Override] = {}
+    by_key: dict[str, Override] = {}
     for line in lines:
         try:
             (override,) = parser.parse_overrides([line])
-        except Exception as exc:  # noqa: BLE001 - Hydra's parser errors name the problem
+        except Exception as exc:
             raise ConfigError(f"cannot read the override {line!r}: {exc}") from None
         by_key.pop(override.get_key_element(), None)  # a later one replaces it, in order
         by_key[override.get_key_element()] = override
-    fixed: List[str] = []
-    space: Dict[str, Any] = {}
+    fixed: list[str] = []
+    space: dict[str, Any] = {}
     for key, override in by_key.items():
         if override.is_sweep_override():
             space[key] = distribution(override)
@@ -47,8 +53,7 @@ def parse(arguments: Sequence[str], params: Mapping[str, str]) -> Tuple[List[str
 
 def distribution(override: Override) -> Any:
     """The optuna distribution of one sweep override (see the module docstring)."""
-    from optuna.distributions import (CategoricalDistribution, FloatDistribution,
-                                      IntDistribution)
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
     value = override.value()
     key = override.get_key_element()
@@ -84,12 +89,12 @@ def distribution(override: Override) -> Any:
                       "tag(log, interval(...))")
 
 
-def grid(space: Mapping[str, Any]) -> Dict[str, List[Any]]:
+def grid(space: Mapping[str, Any]) -> dict[str, list[Any]]:
     """Every value of each parameter, for optuna's grid sampler; intervals of floats have no
     grid."""
     from optuna.distributions import CategoricalDistribution, IntDistribution
 
-    out: Dict[str, List[Any]] = {}
+    out: dict[str, list[Any]] = {}
     for key, dist in space.items():
         if isinstance(dist, CategoricalDistribution):
             out[key] = list(dist.choices)
@@ -105,7 +110,7 @@ def grid(space: Mapping[str, Any]) -> Dict[str, List[Any]]:
     return out
 
 
-def as_overrides(params: Mapping[str, Any]) -> List[str]:
+def as_overrides(params: Mapping[str, Any]) -> list[str]:
     """A trial's parameters as overrides, e.g. ``["optimizer.lr=0.0123", "model=mlp"]``.
     A string is a choice as the override grammar wrote it (a list or quoted string was
     encoded by :func:`distribution`), so it goes back verbatim."""

@@ -8,8 +8,9 @@ a Hydra callback, writes the same files."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from hydra.core.utils import JobReturn
 from hydra.errors import CompactHydraException
@@ -65,12 +66,12 @@ def summarize(launcher: Any, jobs: Sequence[Any], sweep_dir: Path, final: bool =
                     _listed(interrupted))
     if skipped:
         log.error("%d of %d job(s) not run (%s)", len(skipped), len(jobs),
-                  job_error(skipped[0].ret).removeprefix("not run: "))  # type: ignore[arg-type]  # an ended job has its JobReturn
+                  job_error(skipped[0].ret).removeprefix("not run: "))
 
 
 def _listed(jobs: Sequence[Any]) -> str:
     """Each job's label and, indented below it, its cause."""
-    return "\n".join(f"  {j.label}\n      " + job_error(j.ret).strip().replace("\n", "\n      ")  # type: ignore[arg-type]  # listed jobs have ended
+    return "\n".join(f"  {j.label}\n      " + job_error(j.ret).strip().replace("\n", "\n      ")
                      for j in jobs)
 
 

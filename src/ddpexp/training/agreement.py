@@ -9,7 +9,7 @@ the same sum. One process has nobody to agree with and acts at once.
 
 from __future__ import annotations
 
-from typing import Optional, cast
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -31,9 +31,9 @@ class Agreement:
         self.divergence = divergence
         self.signal = StopRequested()  # the stop signals this process received
         self.interrupted = False  # a stop signal that all ranks agreed on
-        self.requested: Optional[tuple[str, str]] = None  # this rank's (status, reason)
-        self.status: Optional[str] = None  # a requested stop that all ranks agreed on
-        self.reason: Optional[str] = None  # why, with the asking ranks
+        self.requested: tuple[str, str] | None = None  # this rank's (status, reason)
+        self.status: str | None = None  # a requested stop that all ranks agreed on
+        self.reason: str | None = None  # why, with the asking ranks
 
     def request(self, reason: str, status: str) -> None:
         """This rank asks for the run to end as ``status``; the first request stands."""
@@ -79,7 +79,7 @@ class Agreement:
         mine = self.requested[1] if self.requested else None
         reasons = [mine]
         if self.world_size > 1:  # once per run, and every rank is here
-            reasons: list[Optional[str]] = [None] * self.world_size
+            reasons: list[str | None] = [None] * self.world_size
             dist.all_gather_object(reasons, mine)
             reasons = [f"rank {r}: {text}" if text else None for r, text in enumerate(reasons)]
         self.status = status

@@ -8,13 +8,13 @@ from typing import Any
 
 from torch import nn
 
-from ddpexp.config import components
 from ddpexp.callbacks.base import Callback
+from ddpexp.config import components
 from ddpexp.config.schema import trainer_config
 from ddpexp.data.base import DataSource
-from ddpexp.strategies.dist import DistContext, seed_everything
 from ddpexp.errors import ConfigError, DdpexpError
 from ddpexp.loggers import build_loggers
+from ddpexp.strategies.dist import DistContext, seed_everything
 from ddpexp.training.probe import check_sample_shape
 
 # Model keys that a data source may only know once it has read its files (the classes of an

@@ -23,22 +23,21 @@ from one that improves.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 
 class LossCeiling:
     """The highest training loss a run may reach before it counts as diverged."""
 
-    def __init__(self, factor: Optional[float]):
+    def __init__(self, factor: float | None):
         self.factor = factor  # None: only a non-finite loss counts as diverged
-        self.start: Optional[float] = None
+        self.start: float | None = None
 
     def set_start(self, loss: float) -> None:
         """The loss of the initial weights; a non-finite one leaves no ceiling."""
         self.start = loss if math.isfinite(loss) else None
 
     @property
-    def limit(self) -> Optional[float]:
+    def limit(self) -> float | None:
         """The loss above which the run has diverged, or None where there is no ceiling."""
         if self.factor is None or self.start is None:
             return None
@@ -53,14 +52,14 @@ class LossCeiling:
 class Divergence:
     """Where a run diverged, once its ranks agreed that it did (falsy until then)."""
 
-    def __init__(self, factor: Optional[float]):
+    def __init__(self, factor: float | None):
         self.ceiling = LossCeiling(factor)  # its start is set by the probe batch
-        self.at: Optional[dict] = None  # {"step", "epoch", "loss"}
+        self.at: dict | None = None  # {"step", "epoch", "loss"}
 
     def __bool__(self) -> bool:
         return self.at is not None
 
-    def check(self, nonfinite: float, loss_sum: float, seen: float, own_loss: Optional[float],
+    def check(self, nonfinite: float, loss_sum: float, seen: float, own_loss: float | None,
               step: int, epoch: int) -> None:
         """At an agreement point: ``nonfinite`` counts the non-finite training sums of all
         ranks, ``loss_sum / seen`` is the agreed training loss since the last log step, and
@@ -72,7 +71,7 @@ class Divergence:
         elif seen and self.ceiling.exceeded(loss_sum / seen):
             self.note(step, epoch, loss_sum / seen)
 
-    def note(self, step: int, epoch: int, loss: Optional[float] = None) -> None:
+    def note(self, step: int, epoch: int, loss: float | None = None) -> None:
         """The run diverged at ``step``: ``loss`` is the finite loss past the ceiling, or the
         non-finite one (None: not finite, or the weights themselves)."""
         if self.at is None:
@@ -89,7 +88,7 @@ class Divergence:
         return ("the training loss rose past trainer.divergence_factor times its start"
                 if self.exploded else "the training loss is not finite")
 
-    def message(self, lr: float, saved_step: Optional[int], precision: str) -> str:
+    def message(self, lr: float, saved_step: int | None, precision: str) -> str:
         """What happened and what to try, for the log and the run's failure."""
         d = self.at or {}
         what = {None: "NaN or infinite"}.get(d.get("loss"), str(d.get("loss")).replace("nan", "NaN"))

@@ -6,8 +6,9 @@ each sample counted once."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sized
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Protocol, Sized, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -33,12 +34,12 @@ class Trainer(TrainerView, Protocol):
 
     data: DataSource
     val_ds: Dataset
-    test_ds: Optional[Dataset]
+    test_ds: Dataset | None
     strategy: Local
     evaluated_samples: int  # set by each evaluate()
 
     @property
-    def checkpoint_callback(self) -> Optional[ModelCheckpoint]:
+    def checkpoint_callback(self) -> ModelCheckpoint | None:
         """The run's checkpoint callback (where best.pt is), None without one."""
         ...
 
@@ -51,7 +52,7 @@ class Trainer(TrainerView, Protocol):
         ...
 
 
-def evaluate_checkpoint(trainer: Trainer, path: Path, split: str = "test") -> Optional[dict]:
+def evaluate_checkpoint(trainer: Trainer, path: Path, split: str = "test") -> dict | None:
     """The task's metrics of checkpoint ``path``'s weights on ``split`` (``test`` or
     ``val``): ``{"metrics": {split/<name>: ..}, "epoch": the epoch those weights ended,
     "samples": n evaluated}``, or ``None`` where rank 0 finds no such file. The trainer's
@@ -79,7 +80,7 @@ def evaluate_checkpoint(trainer: Trainer, path: Path, split: str = "test") -> Op
     return {"metrics": values, "epoch": int(epoch), "samples": trainer.evaluated_samples}
 
 
-def evaluate_best(trainer: Trainer) -> Optional[dict]:
+def evaluate_best(trainer: Trainer) -> dict | None:
     """Evaluate ``best.pt`` (the monitored best, not the last weights; where the run's
     checkpoint callback put it) on the test split and log ``test/<name>``; the trainer keeps
     its last weights. Returns what :func:`evaluate_checkpoint` does, or None without a test

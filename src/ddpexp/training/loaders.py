@@ -5,8 +5,9 @@ exactly once whatever the world size; and its batches on the device."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping, Sequence, Sized
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence, Sized, cast
+from typing import Any, cast
 
 import torch
 from torch.utils.data import Dataset, Subset
@@ -26,7 +27,7 @@ class Loaders:
     rank_train_samples: int  # samples this rank trains on per epoch
     val_ds: Dataset
     val_loader: Any
-    test_ds: Optional[Dataset]
+    test_ds: Dataset | None
     rank_seed: int
 
 
@@ -90,7 +91,7 @@ def to_device(batch: Any, device: torch.device, memory_format: torch.memory_form
         return batch
     if isinstance(batch, Mapping):
         moved_items = ((k, to_device(v, device, memory_format)) for k, v in batch.items())
-        return type(batch)(moved_items)  # type: ignore[call-arg]  # a Mapping type built from its items, as dict is
+        return type(batch)(moved_items)  # pyright: ignore[reportCallIssue]  # a Mapping type built from its items, as dict is
     if isinstance(batch, (list, tuple)):
         moved = [to_device(v, device, memory_format) for v in batch]
         return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)

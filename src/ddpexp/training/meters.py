@@ -8,7 +8,8 @@ batch would.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -41,10 +42,10 @@ def metric_names(out: Any, task: str, method: str) -> list[str]:
 class RunningMeans:
     """Sample-weighted sums of named metrics since the last :meth:`reset`."""
 
-    def __init__(self, device: torch.device, names: Optional[Sequence[str]] = None):
+    def __init__(self, device: torch.device, names: Sequence[str] | None = None):
         self.device = device
-        self.names: Optional[list[str]] = list(names) if names is not None else None
-        self.sums: Optional[torch.Tensor] = None
+        self.names: list[str] | None = list(names) if names is not None else None
+        self.sums: torch.Tensor | None = None
         self.seen = 0
         if self.names is not None:
             self.sums = torch.zeros(len(self.names), dtype=torch.float64, device=device)
@@ -68,7 +69,7 @@ class RunningMeans:
             self.sums.zero_()
         self.seen = 0
 
-    def value(self, name: str) -> Optional[float]:
+    def value(self, name: str) -> float | None:
         """This rank's pending sum of ``name`` (a host sync: off the hot path)."""
         if self.sums is None or not self.names or name not in self.names:
             return None

@@ -8,9 +8,10 @@ checks read the trainer and set nothing on it."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Mapping, Sized
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sized, cast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -126,7 +127,7 @@ def check_batch(trainer: Trainer, layout: torch.memory_format,
     failure = None
     try:
         out = _probe(trainer, batch, layout)
-    except Exception as exc:  # noqa: BLE001 - retried below, in the model's own layout
+    except Exception as exc:
         if not on_trial:
             raise
         failure = exc

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import Any, Optional
+from typing import Any
 
 
 def stop_signals() -> tuple[signal.Signals, ...]:
@@ -34,11 +34,11 @@ class StopRequested:
     the agent itself kills workers that overrun ``trainer.shutdown_grace_s``."""
 
     def __init__(self) -> None:
-        self.signum: Optional[int] = None
+        self.signum: int | None = None
         self.escalate = "TORCHELASTIC_RUN_ID" not in os.environ
         self._previous: dict[int, Any] = {}
 
-    def __enter__(self) -> "StopRequested":
+    def __enter__(self) -> StopRequested:
         for sig in stop_signals():
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
@@ -55,7 +55,7 @@ class StopRequested:
         self.signum = signum
 
     @property
-    def name(self) -> Optional[str]:
+    def name(self) -> str | None:
         """The signal's name (``"SIGINT"``), or None when none arrived."""
         return signal.Signals(self.signum).name if self.signum else None
 
@@ -67,6 +67,6 @@ class Interrupted(Exception):
     """What callbacks' ``on_exception`` receives when a stop signal ended the run (on every
     rank, once the ranks agreed on it); ``signal`` is its name, e.g. ``"SIGTERM"``."""
 
-    def __init__(self, signal_name: Optional[str]):
+    def __init__(self, signal_name: str | None):
         super().__init__(f"stopped by {signal_name or 'a stop signal'}")
         self.signal = signal_name

@@ -15,8 +15,9 @@ were one object, so every checkpoint written since reads back.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any
 
 
 @dataclass
@@ -27,8 +28,8 @@ class Best:
 
     metric: str
     mode: str = "min"
-    value: Optional[float] = None
-    epoch: Optional[int] = None
+    value: float | None = None
+    epoch: int | None = None
     improved: bool = False
 
     def update(self, value: float, epoch: int) -> bool:
@@ -74,7 +75,7 @@ class RunState:
     metrics: dict[str, float] = field(default_factory=dict)
     history: list[dict] = field(default_factory=list)
     status: str = "running"
-    last_saved_step: Optional[int] = None
+    last_saved_step: int | None = None
 
     def resume_point(self) -> tuple[int, int]:
         """(epoch, batch) where a resume from a checkpoint taken now continues."""

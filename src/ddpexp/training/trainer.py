@@ -22,8 +22,9 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -31,26 +32,12 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddpexp import strategies
-from ddpexp.training import evaluation
-from ddpexp.training import loaders
-from ddpexp.training import probe
-from ddpexp.checkpoint import state as schema
-from ddpexp.training.agreement import STOP_STATUSES, Agreement
 from ddpexp.callbacks.base import Callback, Dispatch
 from ddpexp.callbacks.checkpoint import ModelCheckpoint
+from ddpexp.checkpoint import state as schema
 from ddpexp.config.schema import TrainerConfig
 from ddpexp.data.base import DataSource
-from ddpexp.training.divergence import Divergence
-from ddpexp.strategies.dist import DistContext, derive_seed, seed_everything
-from ddpexp.loggers import RunInfo, run_name
-from ddpexp.loggers.collection import Loggers
 from ddpexp.errors import ConfigError
-from ddpexp.training.meters import RunningMeans, means
-from ddpexp.record import FINISHED, write_metrics
-from ddpexp.training.signals import Interrupted
-from ddpexp.training.split_metrics import SplitMetrics
-from ddpexp.training.state import Best, RunState
-from ddpexp.task import Task, as_task
 from ddpexp.launch.watchdog import (
     BACKWARD,
     CHECKPOINT,
@@ -60,6 +47,18 @@ from ddpexp.launch.watchdog import (
     VALIDATION,
     heartbeat_from_env,
 )
+from ddpexp.loggers import RunInfo, run_name
+from ddpexp.loggers.collection import Loggers
+from ddpexp.record import FINISHED, write_metrics
+from ddpexp.strategies.dist import DistContext, derive_seed, seed_everything
+from ddpexp.task import Task, as_task
+from ddpexp.training import evaluation, loaders, probe
+from ddpexp.training.agreement import STOP_STATUSES, Agreement
+from ddpexp.training.divergence import Divergence
+from ddpexp.training.meters import RunningMeans, means
+from ddpexp.training.signals import Interrupted
+from ddpexp.training.split_metrics import SplitMetrics
+from ddpexp.training.state import Best, RunState
 
 log = logging.getLogger("ddpexp")
 
@@ -80,12 +79,12 @@ class Trainer:
         data: DataSource,
         datasets: Sequence[Dataset],
         optimizer: Callable[..., torch.optim.Optimizer],
-        scheduler: Optional[Callable[..., Any]] = None,
+        scheduler: Callable[..., Any] | None = None,
         seed: int = 0,
-        config: Optional[dict] = None,
-        hparams: Optional[dict] = None,
-        callbacks: Optional[Mapping[str, Callback]] = None,
-        loggers: Optional[Mapping[str, Any]] = None,
+        config: dict | None = None,
+        hparams: dict | None = None,
+        callbacks: Mapping[str, Callback] | None = None,
+        loggers: Mapping[str, Any] | None = None,
     ):
         self.t, self.ctx, self.run_dir = cfg, ctx, Path(run_dir)
         # Where this rank is, for the launching process's stall watchdog (a no-op without one).
@@ -126,7 +125,7 @@ class Trainer:
 
     @classmethod
     def from_config(cls, config: dict, ctx: DistContext, run_dir: Path,
-                    hparams: Optional[dict] = None) -> Trainer:
+                    hparams: dict | None = None) -> Trainer:
         """Build task, data, model, optimizer, scheduler, callbacks and (on rank 0) loggers
         from a resolved config (plain Python, as workers receive it); return the trainer."""
         from ddpexp.training.build import build_parts
@@ -162,7 +161,7 @@ class Trainer:
         return self.state.best.improved
 
     @property
-    def checkpoint_callback(self) -> Optional[ModelCheckpoint]:
+    def checkpoint_callback(self) -> ModelCheckpoint | None:
         """The run's :class:`~ddpexp.callbacks.ModelCheckpoint` (the one that owns the
         checkpoints dir and ``best.pt``), or None where ``~callbacks.checkpoint`` removed it."""
         return next((cb for _, cb in self.callbacks if isinstance(cb, ModelCheckpoint)), None)
@@ -179,7 +178,7 @@ class Trainer:
     def is_main(self) -> bool:
         return self.ctx.is_main
 
-    def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         """Send ``metrics`` to every logger at ``step`` (default: the current step; in
         ``on_before_optimizer_step``, the step being taken, as the built-in metrics of that
         optimizer step). Rank 0 writes; on the other ranks this is a no-op."""
@@ -251,11 +250,11 @@ class Trainer:
                 "such as nn.Linear) that require grad"
             )
         self.memory_format, self.layout_on_trial = probe.memory_format(model, t, self.device)
-        model.to(self.device, memory_format=self.memory_format)  # type: ignore[call-overload]  # Module.to takes it; its stubs list no such overload
+        model.to(self.device, memory_format=self.memory_format)  # pyright: ignore[reportCallIssue]  # Module.to takes it; its stubs list no such overload
         self.module = model
         self.amp_dtype = {"bf16": torch.bfloat16, "16": torch.float16}.get(str(t.precision))
 
-    def _build_optimization(self, optimizer: Callable, scheduler: Optional[Callable]) -> None:
+    def _build_optimization(self, optimizer: Callable, scheduler: Callable | None) -> None:
         t = self.t
         self.optimizer = optimizer(self.module.parameters())
         self.steps_per_epoch = max(1, math.ceil(self.batches_per_epoch / t.accumulate))
@@ -278,14 +277,14 @@ class Trainer:
         self.train_means = RunningMeans(self.device)  # training metrics not yet logged
         self.logged: dict[str, float] = {}  # the latest logged training metrics (rank 0)
         self._last_log_time = time.perf_counter()
-        self._grad_norm: Optional[torch.Tensor] = None
+        self._grad_norm: torch.Tensor | None = None
         self._stepping = 0  # 1 while on_before_optimizer_step runs (see log_metrics)
         self._first_step_pending = True
         self.divergence = Divergence(self.t.divergence_factor)
         self.agreement = Agreement(self.ctx.rank, self.ctx.world_size, self.device, self.divergence)
 
     # ------------------------------------------------------------------ the run
-    def fit(self, resume_from: Optional[Path] = None) -> dict:
+    def fit(self, resume_from: Path | None = None) -> dict:
         """Train to ``max_epochs``/``max_steps`` (or until stopped) and return the metrics
         that ``metrics.json`` holds."""
         if resume_from is not None:
@@ -542,7 +541,7 @@ class Trainer:
         if result is not None:
             self.test_metrics = {**result["metrics"], "epoch": result["epoch"]}
 
-    def evaluate_checkpoint(self, path: Path, split: str = "test") -> Optional[dict]:
+    def evaluate_checkpoint(self, path: Path, split: str = "test") -> dict | None:
         """See :func:`ddpexp.training.evaluation.evaluate_checkpoint`; every rank must call it."""
         return evaluation.evaluate_checkpoint(self, path, split)
 

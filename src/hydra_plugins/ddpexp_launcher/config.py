@@ -1,7 +1,6 @@
 """The ``ddp`` launcher's config, registered under ``hydra/launcher``."""
 
 from dataclasses import dataclass, field
-from typing import List, Optional
 
 from hydra.core.config_store import ConfigStore
 
@@ -14,14 +13,14 @@ class DdpLauncherConf:
     # Sweep jobs at once. null: as many as the machine holds (a job takes trainer.gpus free
     # GPUs and a core per worker, while memory lasts); K: K jobs, each on its own equal
     # slice of the GPUs (or CPU cores).
-    max_parallel: Optional[int] = None
+    max_parallel: int | None = None
     # Stop launching new jobs after the first failure (the jobs already running finish).
     fail_fast: bool = False
     # GPUs the sweep may use (null = all visible); each job takes trainer.gpus of them.
-    gpus: Optional[int] = None
+    gpus: int | None = None
     # Wall-clock limit of one job in seconds (null = none); a job over it is stopped
     # (SIGTERM, so ddpexp checkpoints) and counts as failed.
-    timeout_s: Optional[float] = None
+    timeout_s: float | None = None
     # After SIGTERM (timeout, Ctrl-C, a scheduler's stop), how long a job may take to save
     # and exit before its whole process group is killed.
     kill_grace_s: float = 30.0
@@ -30,7 +29,7 @@ class DdpLauncherConf:
     fork: bool = True
     # Modules of your own that the fork server imports too (your model's library), so that
     # jobs do not import them each.
-    preload: List[str] = field(default_factory=list)
+    preload: list[str] = field(default_factory=list)
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="ddp", node=DdpLauncherConf,

@@ -2,7 +2,7 @@
 :mod:`ddpexp.sweep.pool`, imported inside ``launch()``, so that importing the plugin (which
 Hydra does at every start of every app) imports neither torch nor anything heavy."""
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from hydra.core.utils import JobReturn
 from hydra.plugins.launcher import Launcher
@@ -15,10 +15,10 @@ class DdpLauncher(Launcher):
     at once as the machine holds (``max_parallel: null``) or ``max_parallel`` at a time on
     equal slices of the machine, and summarises the sweep."""
 
-    def __init__(self, max_parallel: Optional[int] = None, fail_fast: bool = False,
-                 gpus: Optional[int] = None, timeout_s: Optional[float] = None,
+    def __init__(self, max_parallel: int | None = None, fail_fast: bool = False,
+                 gpus: int | None = None, timeout_s: float | None = None,
                  kill_grace_s: float = 30.0, fork: bool = True,
-                 preload: Optional[Sequence[str]] = None) -> None:
+                 preload: Sequence[str] | None = None) -> None:
         self.max_parallel = max_parallel
         self.fail_fast = fail_fast
         self.gpus = gpus
@@ -29,9 +29,9 @@ class DdpLauncher(Launcher):
         # Outcomes of every launch() call of this sweep (some sweepers launch in batches), by
         # job subdir: a job that left no metrics.json still gets its row and cause.
         self.outcomes: dict = {}
-        self.config: Optional[DictConfig] = None
-        self.task_function: Optional[TaskFunction] = None
-        self.hydra_context: Optional[HydraContext] = None
+        self.config: DictConfig | None = None
+        self.task_function: TaskFunction | None = None
+        self.hydra_context: HydraContext | None = None
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction,
               config: DictConfig) -> None:

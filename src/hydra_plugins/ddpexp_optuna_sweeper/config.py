@@ -1,7 +1,6 @@
 """The ``optuna_async`` sweeper's config, registered under ``hydra/sweeper``."""
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional
 
 from hydra.core.config_store import ConfigStore
 
@@ -13,7 +12,7 @@ class SamplerConf:
     # tpe | random | grid (grid: every parameter a choice(...) or range(...))
     name: str = "tpe"
     # The same seed asks the same first trials.
-    seed: Optional[int] = None
+    seed: int | None = None
 
 
 @dataclass
@@ -31,7 +30,7 @@ class PrunerConf:
     # successive_halving, hyperband: 1/reduction_factor of the trials go on at each rung
     reduction_factor: int = 3
     # hyperband: the epochs of a full trial (null: learnt from the first completed trial)
-    max_resource: Optional[int] = None
+    max_resource: int | None = None
 
 
 @dataclass
@@ -42,14 +41,14 @@ class OptunaAsyncSweeperConf:
     # Trials of the whole study, those of earlier (resumed) invocations included.
     n_trials: int = 20
     # maximize | minimize; null: from trainer.monitor_mode (max -> maximize)
-    direction: Optional[str] = None
+    direction: str | None = None
     # The study's name in the journal file (<sweep dir>/optuna.journal).
     study_name: str = "ddpexp"
     sampler: SamplerConf = field(default_factory=SamplerConf)
     pruner: PrunerConf = field(default_factory=PrunerConf)
     # The search space as key: override value, e.g. {optimizer.lr: "tag(log, interval(1e-4, 1e-1))"};
     # search-space overrides on the command line are added (and win for the same key).
-    params: Optional[Dict[str, str]] = None
+    params: dict[str, str] | None = None
 
 
 ConfigStore.instance().store(group="hydra/sweeper", name="optuna_async",

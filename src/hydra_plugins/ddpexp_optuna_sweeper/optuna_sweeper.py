@@ -2,7 +2,7 @@
 :mod:`ddpexp.sweep.search`, imported inside ``sweep()``, so that importing the plugin (which
 Hydra does at every start of every app) imports neither optuna nor torch."""
 
-from typing import Any, List, Optional
+from typing import Any
 
 from hydra.core.plugins import Plugins
 from hydra.plugins.sweeper import Sweeper
@@ -15,17 +15,17 @@ class OptunaAsyncSweeper(Sweeper):
     moment one of the launcher's ``max_parallel`` slots frees; trials report every epoch to
     the pruner; the study lives in the sweep dir and resumes with ``resume=auto``."""
 
-    def __init__(self, n_trials: int = 20, direction: Optional[str] = None,
+    def __init__(self, n_trials: int = 20, direction: str | None = None,
                  study_name: str = "ddpexp", sampler: Any = None, pruner: Any = None,
-                 params: Optional[Any] = None) -> None:
+                 params: Any | None = None) -> None:
         self.n_trials = n_trials
         self.direction = direction
         self.study_name = study_name
         self.sampler = dict(sampler or {})
         self.pruner = dict(pruner or {})
         self.params = dict(params or {})
-        self.config: Optional[DictConfig] = None
-        self.hydra_context: Optional[HydraContext] = None
+        self.config: DictConfig | None = None
+        self.hydra_context: HydraContext | None = None
         self.launcher: Any = None
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction,
@@ -35,7 +35,7 @@ class OptunaAsyncSweeper(Sweeper):
         self.launcher = Plugins.instance().instantiate_launcher(
             hydra_context=hydra_context, task_function=task_function, config=config)
 
-    def sweep(self, arguments: List[str]) -> Any:
+    def sweep(self, arguments: list[str]) -> Any:
         from ddpexp.sweep import search
 
         return search.run(self, arguments)
