@@ -72,7 +72,7 @@ def main(argv=None) -> None:
 
     from ddpexp.config.compose import compose_single_process
     from ddpexp.models import MLP, ConvNet
-    from ddpexp.strategies.dist import DistContext
+    from ddpexp.runtime.dist import DistContext
     from ddpexp.training.trainer import Trainer
 
     k = args.steps_per_chunk

@@ -159,7 +159,7 @@ def test_slurm_pre_timeout_signal_checkpoints_and_requeue_continues(workdir, pro
 
 
 def test_sigusr2_is_not_a_stop_signal_outside_slurm(monkeypatch):
-    from ddpexp.training.signals import stop_signals
+    from ddpexp.runtime.signals import stop_signals
 
     for key in list(os.environ):
         if key.startswith(("SUBMITIT_", "SLURM_")):

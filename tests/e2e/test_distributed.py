@@ -177,7 +177,7 @@ def test_two_concurrent_runs_pick_their_own_ports(workdir):
 
 
 def test_two_nodes_over_loopback(workdir):
-    from ddpexp.strategies.dist import free_port
+    from ddpexp.runtime.dist import free_port
 
     endpoint = f"127.0.0.1:{free_port()}"
     common = [*TINY, "trainer.nodes=2", "trainer.procs=1", f"trainer.rdzv_endpoint={endpoint}",
@@ -193,7 +193,7 @@ def test_two_nodes_over_loopback(workdir):
 
 
 def test_slurm_ranks_are_used_instead_of_spawning(workdir):
-    from ddpexp.strategies.dist import free_port
+    from ddpexp.runtime.dist import free_port
 
     port = free_port()
     procs = []

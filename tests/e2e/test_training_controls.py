@@ -44,7 +44,7 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
 def initial_mlp() -> dict[str, torch.Tensor]:
     """The weights a run with seed 0 starts from (the trainer seeds, then builds the model)."""
     from ddpexp.models import MLP
-    from ddpexp.strategies.dist import seed_everything
+    from ddpexp.runtime.dist import seed_everything
 
     seed_everything(0)
     return MLP(input_shape=[4], num_classes=3, hidden=[8], dropout=0.0).state_dict()

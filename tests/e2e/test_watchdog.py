@@ -11,11 +11,12 @@ import time
 from pathlib import Path
 
 from ddpexp.launch import watchdog as wd
+from ddpexp.runtime import heartbeat as hb
 
 # in its stack dump. Local ranks 0 and 1 are global ranks 2 and 3, as on a second node.
 WORKER = textwrap.dedent("""
     import sys, time
-    from ddpexp.launch.watchdog import heartbeat_from_env
+    from ddpexp.runtime.heartbeat import heartbeat_from_env
     beat = heartbeat_from_env(int(sys.argv[1]), rank=int(sys.argv[1]) + 2)
     for phase in map(int, sys.argv[2].split(",")):
         beat.mark(phase, 7)
@@ -36,8 +37,8 @@ def test_watchdog_dumps_the_stalled_ranks_stack_and_kills_the_workers(tmp_path: 
     try:
         with dog:
             env = dict(os.environ)  # the watchdog put its variables in this process's env
-            assert env[wd.ENV_SLOTS] == dog.path
-            phases = {0: f"{wd.DATA},{wd.FORWARD},{wd.BACKWARD}", 1: f"{wd.DATA},{wd.FORWARD}"}
+            assert env[hb.ENV_SLOTS] == dog.path
+            phases = {0: f"{hb.DATA},{hb.FORWARD},{hb.BACKWARD}", 1: f"{hb.DATA},{hb.FORWARD}"}
             for rank in (0, 1):
                 procs.append(subprocess.Popen([sys.executable, "-c", WORKER, str(rank), phases[rank]],
                                               env=env, stdout=subprocess.PIPE, text=True))
@@ -51,7 +52,7 @@ def test_watchdog_dumps_the_stalled_ranks_stack_and_kills_the_workers(tmp_path: 
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert wd.ENV_SLOTS not in os.environ and not Path(dog.path).exists()
+    assert hb.ENV_SLOTS not in os.environ and not Path(dog.path).exists()
     assert dog.message is not None
     assert f"rank 3 (pid {procs[1].pid}) stalled in forward at step 7" in dog.message
     assert "(rank 2 waited" in dog.message

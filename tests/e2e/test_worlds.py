@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 
 def free_port() -> int:
-    from ddpexp.strategies.dist import free_port as pick
+    from ddpexp.runtime.dist import free_port as pick
 
     return pick()
 

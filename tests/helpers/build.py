@@ -21,7 +21,7 @@ def compose_config(*overrides: str, config_dir: Path | None = None) -> dict:
 
 def build_trainer(run_dir: Path, overrides: Sequence[str] = (), config_dir: Path | None = None):
     """A one-process :class:`ddpexp.training.trainer.Trainer` built from the composed config."""
-    from ddpexp.strategies.dist import DistContext
+    from ddpexp.runtime.dist import DistContext
     from ddpexp.training.trainer import Trainer
 
     plain = compose_config("trainer.progress_bar=false", *overrides, config_dir=config_dir)

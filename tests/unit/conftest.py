@@ -99,7 +99,7 @@ def make_trainer(run_dir, *, samples=(32, 16, 16), batch_size=8, shape=(4,), cla
     from ddpexp.config.schema import trainer_config
     from ddpexp.data import Synthetic
     from ddpexp.models import MLP
-    from ddpexp.strategies.dist import DistContext, seed_everything
+    from ddpexp.runtime.dist import DistContext, seed_everything
     from ddpexp.training.trainer import Trainer
 
     data = Synthetic(num_samples=samples[0], val_samples=samples[1], test_samples=samples[2],

@@ -11,9 +11,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpexp import strategies
+from ddpexp.runtime.dist import DistContext
 from ddpexp.strategies.base import Local, _by_name, _optimizer_by_name, debug_modes
 from ddpexp.strategies.ddp import DDP
-from ddpexp.strategies.dist import DistContext
 
 CTX = DistContext()
 

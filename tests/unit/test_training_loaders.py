@@ -10,7 +10,7 @@ from torch.utils.data import Subset
 
 from ddpexp.data import Synthetic
 from ddpexp.data.base import InMemory
-from ddpexp.strategies.dist import DistContext, derive_seed
+from ddpexp.runtime.dist import DistContext, derive_seed
 from ddpexp.training import loaders
 
 

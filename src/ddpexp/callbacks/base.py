@@ -211,7 +211,7 @@ class Callback:
 
     def on_exception(self, trainer: TrainerView, exc: BaseException) -> None:
         """The run failed (on the rank that raised) or was interrupted by a signal (on every
-        rank, with a :class:`~ddpexp.training.signals.Interrupted`). Run no collective for a failure:
+        rank, with a :class:`~ddpexp.runtime.signals.Interrupted`). Run no collective for a failure:
         the other ranks may be gone."""
 
     def on_save_checkpoint(self, trainer: TrainerView, checkpoint: dict) -> None:

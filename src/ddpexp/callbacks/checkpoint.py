@@ -26,7 +26,7 @@ from ddpexp.callbacks.base import LAST, Callback, TrainerView
 from ddpexp.checkpoint import io as ckpt_io
 from ddpexp.checkpoint.topk import TopK
 from ddpexp.errors import ConfigError
-from ddpexp.training.signals import Interrupted
+from ddpexp.runtime.signals import Interrupted
 
 log = logging.getLogger("ddpexp")
 

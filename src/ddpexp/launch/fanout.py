@@ -36,7 +36,7 @@ from ddpexp.launch.resources import check_resources, oom_kills
 from ddpexp.launch.watchdog import Watchdog
 from ddpexp.launch.world import OWN_WORKER_ENV, World, detect
 from ddpexp.record import record_failure, record_wall_time, run_started
-from ddpexp.training.signals import stop_signals
+from ddpexp.runtime.signals import stop_signals
 
 log = logging.getLogger("ddpexp")
 
@@ -344,7 +344,7 @@ def _elastic(plan: Plan, cfg: DictConfig, payload: Any) -> dict | None:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from ddpexp.launch.worker import EXIT_INTERRUPTED, run_worker
-    from ddpexp.strategies.dist import free_port
+    from ddpexp.runtime.dist import free_port
 
     t = cfg.trainer
     # torch elastic keeps its per-run error files here; removed when the run ends (left to

@@ -1,4 +1,5 @@
-"""Stall detection for multi-worker runs: per-rank heartbeats and the watchdog that reads them.
+"""Stall detection for multi-worker runs: the watchdog that reads the ranks' heartbeats
+(:mod:`ddpexp.runtime.heartbeat`, the workers' side) from the launching process.
 
 A rank stuck outside a collective (a model that hangs in ``forward``, a DataLoader worker
 that never returns a batch) leaves the other ranks waiting in their next collective; torch's
@@ -14,42 +15,23 @@ a message naming the stalled ranks, their step and phase, and for how long.
 Ranks execute the same sequence of phases (the same batches per epoch, validation and
 checkpoints on every rank), so the count of phase changes orders them: the rank with the
 smaller count is behind. The watchdog sees the ranks of its own node; across nodes the
-collective timeout (``trainer.dist_timeout_s`` plus :data:`COLLECTIVE_MARGIN_S`) still ends
-the run.
+collective timeout (``trainer.dist_timeout_s`` plus
+:data:`~ddpexp.runtime.heartbeat.COLLECTIVE_MARGIN_S`) still ends the run.
 """
 
 from __future__ import annotations
 
-import faulthandler
-import mmap
 import os
 import signal
-import struct
 import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, cast
 
-# Where a rank is; the trainer marks each change. The order is the order within a step.
-PHASES = ("setup", "data", "forward", "backward", "optimizer", "validation", "checkpoint", "done")
-SETUP, DATA, FORWARD, BACKWARD, OPTIMIZER, VALIDATION, CHECKPOINT, DONE = range(len(PHASES))
+from ddpexp.runtime.heartbeat import DONE, ENV_SLOTS, ENV_STACK_LOG, PHASES, SLOT, STRIDE
 
-# The environment variables through which the launching process hands the slots file and the
-# run's log to its workers (torch elastic passes the environment on).
-ENV_SLOTS = "DDPEXP_HEARTBEAT_FILE"
-ENV_STACK_LOG = "DDPEXP_STACK_LOG"
-
-# A slot: phase changes so far, step, phase, wall time of the change, pid, restart round,
-# global rank (the slot's index is the local rank).
-_SLOT = struct.Struct("<qqqdqqq")
-_STRIDE = 64
-# With a watchdog the collectives wait this much longer than trainer.dist_timeout_s, so
-# that the watchdog, which names the stalled rank, acts before torch's timeout, which names
-# a waiting one.
-COLLECTIVE_MARGIN_S = 5.0
 POLL_S = 0.25
 # How long a stalled rank gets to write its stack before it is killed.
 DUMP_WAIT_S = 3.0
@@ -104,75 +86,12 @@ class Stall:
         )
 
 
-# ------------------------------------------------------------------------------ workers
-class Heartbeat:
-    """This rank's slot. :meth:`mark` costs one ``struct.pack_into`` into shared memory."""
-
-    def __init__(self, slots_path: str, local_rank: int, restart: int = 0,
-                 stack_log: str | None = None, rank: int | None = None) -> None:
-        fd = os.open(slots_path, os.O_RDWR)
-        try:
-            self._mm: mmap.mmap | None = mmap.mmap(fd, 0)
-        finally:
-            os.close(fd)
-        self._offset = local_rank * _STRIDE
-        self._count = 0
-        self._pid = os.getpid()
-        self._restart = restart
-        self._rank = local_rank if rank is None else rank
-        self._stack_file: IO[str] | None = None
-        if stack_log:
-            # faulthandler writes through this file descriptor from its signal handler,
-            # even while the rank is stuck in C code holding the GIL.
-            self._stack_file = open(stack_log, "a")
-            faulthandler.register(signal.SIGUSR1, file=self._stack_file, all_threads=True,
-                                  chain=False)
-        self.mark(SETUP, 0)
-
-    def mark(self, phase: int, step: int) -> None:
-        """Record that this rank entered ``phase`` (one of the module's constants) at ``step``."""
-        self._count += 1
-        _SLOT.pack_into(cast(mmap.mmap, self._mm), self._offset, self._count, step, phase, time.time(),
-                        self._pid, self._restart, self._rank)
-
-    def close(self) -> None:
-        """Mark the rank done (the watchdog then leaves it alone) and release the slot."""
-        if self._mm is None:
-            return
-        self.mark(DONE, 0)
-        self._mm.close()
-        self._mm = None
-        if self._stack_file is not None:
-            faulthandler.unregister(signal.SIGUSR1)
-            self._stack_file.close()
-
-
-class NoHeartbeat:
-    """Stands in for :class:`Heartbeat` where no watchdog listens (one worker in-process)."""
-
-    def mark(self, phase: int, step: int) -> None:
-        """Nothing to record."""
-
-    def close(self) -> None:
-        """Nothing to release."""
-
-
-def heartbeat_from_env(local_rank: int, restart: int = 0,
-                       rank: int | None = None) -> Heartbeat | NoHeartbeat:
-    """This worker's heartbeat if the launching process runs a watchdog, else a no-op."""
-    path = os.environ.get(ENV_SLOTS)
-    if not path or not Path(path).is_file():
-        return NoHeartbeat()
-    return Heartbeat(path, local_rank, restart, os.environ.get(ENV_STACK_LOG), rank)
-
-
-# ------------------------------------------------------------------------------ watchdog
 def create_slots(nprocs: int) -> str:
     """A zeroed slots file for ``nprocs`` local workers, in shared memory where there is one."""
     shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
     fd, path = tempfile.mkstemp(prefix="ddpexp-heartbeat-", dir=shm)
     try:
-        os.write(fd, b"\0" * (_STRIDE * nprocs))
+        os.write(fd, b"\0" * (STRIDE * nprocs))
     finally:
         os.close(fd)
     return path
@@ -183,7 +102,7 @@ def read_beats(slots_path: str, nprocs: int) -> list[Beat]:
     data = Path(slots_path).read_bytes()
     beats = []
     for rank in range(nprocs):
-        *fields, global_rank = _SLOT.unpack_from(data, rank * _STRIDE)
+        *fields, global_rank = SLOT.unpack_from(data, rank * STRIDE)
         if fields[0] > 0:
             # Rank numbers in messages are global ranks (on several nodes, not the slot's).
             beats.append(Beat(global_rank, *fields))

@@ -21,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from ddpexp.checkpoint.io import newest_last
 from ddpexp.launch import proc
 from ddpexp.launch.failures import explain_os_error
-from ddpexp.strategies import dist as ddist
+from ddpexp.runtime import dist as ddist
 from ddpexp.training.trainer import Trainer
 
 log = logging.getLogger("ddpexp")

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ddpexp.loggers.writer import Writer
-from ddpexp.training.signals import stop_signals
+from ddpexp.runtime.signals import stop_signals
 
 log = logging.getLogger("ddpexp")
 

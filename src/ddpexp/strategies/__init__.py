@@ -7,9 +7,9 @@ branch on none of them.
 ``single`` and ``dp`` (``nn.DataParallel`` over a node's GPUs, one process) need no sync
 between processes; ``ddp`` wraps the model in ``DistributedDataParallel``; ``fsdp`` shards
 the parameters, gradients and optimizer state over the ranks (:class:`FSDP`). Also the
-torch modes a run executes under (:func:`debug_modes`), the blocks a model is sharded and
-checkpointed by (:mod:`~ddpexp.strategies.blocks`) and the process group's set-up
-(:mod:`~ddpexp.strategies.dist`).
+torch modes a run executes under (:func:`debug_modes`) and the blocks a model is sharded and
+checkpointed by (:mod:`~ddpexp.strategies.blocks`). The process group they run in is set up
+by :mod:`ddpexp.runtime.dist`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from ddpexp import lazy_attributes
 
 if TYPE_CHECKING:
     from ddpexp.config.schema import TrainerConfig
+    from ddpexp.runtime.dist import DistContext
     from ddpexp.strategies.base import Local
-    from ddpexp.strategies.dist import DistContext
 
 __getattr__, __dir__ = lazy_attributes(__name__, {
     "Local": "ddpexp.strategies.base",

@@ -16,8 +16,8 @@ from torch import nn
 
 from ddpexp.checkpoint import io as ckpt_io
 from ddpexp.config.schema import Strategy, TrainerConfig
+from ddpexp.runtime.dist import DistContext
 from ddpexp.strategies.blocks import checkpoint_activations, find_blocks
-from ddpexp.strategies.dist import DistContext
 
 log = logging.getLogger("ddpexp")
 

@@ -16,10 +16,10 @@ from torch import nn
 from ddpexp.checkpoint import io as ckpt_io
 from ddpexp.config.schema import TrainerConfig
 from ddpexp.errors import ConfigError
+from ddpexp.runtime.dist import DistContext
 from ddpexp.strategies.base import _optimizer_by_name, _whole
 from ddpexp.strategies.blocks import find_blocks
 from ddpexp.strategies.ddp import DDP
-from ddpexp.strategies.dist import DistContext
 
 log = logging.getLogger("ddpexp")
 

@@ -14,9 +14,9 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
+from ddpexp.runtime.signals import StopRequested
 from ddpexp.training.divergence import Divergence
 from ddpexp.training.meters import RunningMeans
-from ddpexp.training.signals import StopRequested
 
 # What a callback's request_stop(status=...) may end a run as, in the order that wins when
 # ranks ask for different ones at once.

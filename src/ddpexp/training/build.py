@@ -14,7 +14,7 @@ from ddpexp.config.schema import trainer_config
 from ddpexp.data.base import DataSource
 from ddpexp.errors import ConfigError, DdpexpError
 from ddpexp.loggers import build_loggers
-from ddpexp.strategies.dist import DistContext, seed_everything
+from ddpexp.runtime.dist import DistContext, seed_everything
 from ddpexp.training.probe import check_sample_shape
 
 # Model keys that a data source may only know once it has read its files (the classes of an

@@ -14,7 +14,7 @@ from torch.utils.data import Dataset, Subset
 
 from ddpexp.config.schema import TrainerConfig
 from ddpexp.data.base import DataSource, ResumableDistributedSampler
-from ddpexp.strategies.dist import DistContext, derive_seed
+from ddpexp.runtime.dist import DistContext, derive_seed
 
 
 @dataclass

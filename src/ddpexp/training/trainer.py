@@ -38,7 +38,11 @@ from ddpexp.checkpoint import state as schema
 from ddpexp.config.schema import TrainerConfig
 from ddpexp.data.base import DataSource
 from ddpexp.errors import ConfigError
-from ddpexp.launch.watchdog import (
+from ddpexp.loggers import RunInfo, run_name
+from ddpexp.loggers.collection import Loggers
+from ddpexp.record import FINISHED, write_metrics
+from ddpexp.runtime.dist import DistContext, derive_seed, seed_everything
+from ddpexp.runtime.heartbeat import (
     BACKWARD,
     CHECKPOINT,
     DATA,
@@ -47,16 +51,12 @@ from ddpexp.launch.watchdog import (
     VALIDATION,
     heartbeat_from_env,
 )
-from ddpexp.loggers import RunInfo, run_name
-from ddpexp.loggers.collection import Loggers
-from ddpexp.record import FINISHED, write_metrics
-from ddpexp.strategies.dist import DistContext, derive_seed, seed_everything
+from ddpexp.runtime.signals import Interrupted
 from ddpexp.task import Task, as_task
 from ddpexp.training import evaluation, loaders, probe
 from ddpexp.training.agreement import STOP_STATUSES, Agreement
 from ddpexp.training.divergence import Divergence
 from ddpexp.training.meters import RunningMeans, means
-from ddpexp.training.signals import Interrupted
 from ddpexp.training.split_metrics import SplitMetrics
 from ddpexp.training.state import Best, RunState
 

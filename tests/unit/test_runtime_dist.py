@@ -1,4 +1,4 @@
-"""Rank bookkeeping, seeds, ports and generator states (strategies/dist.py)."""
+"""Rank bookkeeping, seeds, ports and generator states (runtime/dist.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddpexp.strategies import dist as d
+from ddpexp.runtime import dist as d
 
 
 def test_context_defaults():

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ddpexp.launch.watchdog import COLLECTIVE_MARGIN_S, ENV_SLOTS
+from ddpexp.runtime.heartbeat import COLLECTIVE_MARGIN_S, ENV_SLOTS
 
 
 @dataclass(frozen=True)
