@@ -113,7 +113,7 @@ def test_a_sharded_last_gives_one_process_its_weights_and_optimizer_state(tmp_pa
     from helpers import build_trainer
 
     from ddpexp.checkpoint import io as ckpt_io
-    from ddpexp.checkpoint import state as schema
+    from ddpexp.training import checkpoint_state as schema
 
     run_dir = copy_of("fsdp_sharded", tmp_path)
     saved = OmegaConf.load(run_dir / ".hydra" / "overrides.yaml")

@@ -111,7 +111,7 @@ def test_resume_restores_average(trainer_factory):
     saved = torch.load(path, weights_only=True)
     ema = EMA(decay=0.5)
     second = trainer_factory("b", callbacks={"checkpoint": ModelCheckpoint(), "ema": ema}, max_epochs=2)
-    from ddpexp.checkpoint import state
+    from ddpexp.training import checkpoint_state as state
 
     state.load(second, path)
     assert ema.average.updates == 4

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ddpexp.checkpoint import io as ckpt_io
-from ddpexp.checkpoint.state import FORMAT
+from ddpexp.training.checkpoint_state import FORMAT
 from ddpexp.training.state import Best, RunState
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "rundirs"

@@ -3,8 +3,8 @@ for ``resume=``. A checkpoint file is written by global rank 0 alone; a sharded 
 every rank, each writing its own shards, and rank 0 its ``meta.pt`` and the rename.
 
 This module only reads and writes files; what a checkpoint holds is gathered by
-:mod:`ddpexp.checkpoint.state` (its docstring documents the schema), the unwrapped model's weights under
-``"model"``.
+:mod:`ddpexp.training.checkpoint_state` (its docstring documents the schema), the unwrapped
+model's weights under ``"model"``.
 
 A checkpoint is one file, or (``last.pt`` of a ``strategy=fsdp`` run) a sharded directory:
 torch.distributed.checkpoint's files, each rank's shards of the weights and the optimizer

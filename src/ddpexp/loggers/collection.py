@@ -17,8 +17,8 @@ from ddpexp.runtime.signals import stop_signals
 
 log = logging.getLogger("ddpexp")
 
-# The checkpoint's entries (ddpexp.checkpoint.state): each logger's state_dict(), and what its
-# writer had not yet had acknowledged.
+# The checkpoint's entries (ddpexp.training.checkpoint_state): each logger's state_dict(), and
+# what its writer had not yet had acknowledged.
 STATES, QUEUES = "loggers", "logger_queues"
 
 

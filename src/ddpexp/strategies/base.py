@@ -89,7 +89,7 @@ class Local:
         return optimizer.state_dict()
 
     def save(self, state: dict | None, last: Path, copies: Sequence[Path] = ()) -> None:
-        """Write ``state`` (from :func:`ddpexp.checkpoint.state.gather`: rank 0's dict, None elsewhere)
+        """Write ``state`` (from :func:`ddpexp.training.checkpoint_state.gather`: rank 0's dict, None elsewhere)
         as ``last`` and one-file ``copies`` of it (best.pt, top-k). Every rank calls it."""
         if state is None:
             return

@@ -1,5 +1,5 @@
 """The run's counters as one object: :class:`RunState`, which the trainer holds as
-``trainer.state`` and which the checkpoint schema (:mod:`ddpexp.checkpoint.state`) reads with
+``trainer.state`` and which the checkpoint schema (:mod:`ddpexp.training.checkpoint_state`) reads with
 :meth:`RunState.state_dict` and restores with :meth:`RunState.load_state_dict`.
 
 Only the trainer changes it while a run goes; callbacks read it (``trainer.state``, and the
@@ -82,7 +82,7 @@ class RunState:
         return (self.epoch + 1, 0) if self.epoch_finished else (self.epoch, self.batch)
 
     def state_dict(self) -> dict:
-        """The checkpoint's entries of the counters (see :mod:`ddpexp.checkpoint.state`):
+        """The checkpoint's entries of the counters (see :mod:`ddpexp.training.checkpoint_state`):
         ``epoch`` and ``batch`` are where a resume continues."""
         epoch, batch = self.resume_point()
         return {"epoch": epoch, "batch": batch, "step": self.step, "best": self.best.state_dict(),

@@ -34,7 +34,6 @@ from torch.utils.data import Dataset
 from ddpexp import strategies
 from ddpexp.callbacks.base import Callback, Dispatch
 from ddpexp.callbacks.checkpoint import ModelCheckpoint
-from ddpexp.checkpoint import state as schema
 from ddpexp.config.schema import TrainerConfig
 from ddpexp.data.base import DataSource
 from ddpexp.errors import ConfigError
@@ -53,6 +52,7 @@ from ddpexp.runtime.heartbeat import (
 )
 from ddpexp.runtime.signals import Interrupted
 from ddpexp.task import Task, as_task
+from ddpexp.training import checkpoint_state as schema
 from ddpexp.training import evaluation, loaders, probe
 from ddpexp.training.agreement import STOP_STATUSES, Agreement
 from ddpexp.training.divergence import Divergence
@@ -226,7 +226,7 @@ class Trainer:
         return False
 
     def save_checkpoint(self, last: Path, copies: Sequence[Path] = ()) -> None:
-        """Write the checkpoint as of now (:mod:`ddpexp.checkpoint.state`) to ``last`` and
+        """Write the checkpoint as of now (:mod:`ddpexp.training.checkpoint_state`) to ``last`` and
         copy it to each of ``copies`` (best.pt, a top-k file): global rank 0 writes, or under
         fsdp every rank its shards of ``last``. Every rank must call it (it gathers each
         rank's random state)."""

@@ -1,5 +1,5 @@
 """What a checkpoint holds, gathered from a trainer built in this process and given back
-to one (checkpoint/state.py)."""
+to one (training/checkpoint_state.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from ddpexp.callbacks import EarlyStopping, ModelCheckpoint
-from ddpexp.checkpoint import state
 from ddpexp.errors import ConfigError
 from ddpexp.models import MLP
+from ddpexp.training import checkpoint_state as state
 
 
 def callbacks():
