@@ -1,6 +1,7 @@
-"""Callbacks: the loop's extension seam (see :mod:`ddpexp.callbacks.base`) and the built-in
-features that act on its events, each its own module, composed by the ``callbacks`` config
-group (``conf/callbacks/default.yaml``)."""
+"""Callbacks: the loop's extension seam (see :mod:`ddpexp.callbacks.base`), the run's counters
+a callback reads (:mod:`ddpexp.callbacks.state`) and the built-in features that act on its
+events, each its own module, composed by the ``callbacks`` config group
+(``conf/callbacks/default.yaml``)."""
 
 from ddpexp.callbacks.base import EARLY, EVENTS, LAST, LATE, USER, Callback, Dispatch
 from ddpexp.callbacks.checkpoint import ModelCheckpoint

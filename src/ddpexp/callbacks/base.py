@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from ddpexp.callbacks.state import RunState
     from ddpexp.loggers.collection import Loggers
-    from ddpexp.training.state import RunState
 
 
 # The events a callback may implement, in the order a run fires them. The first block is
@@ -90,7 +90,7 @@ class TrainerView(Protocol):
     @property
     def state(self) -> RunState:
         """The run's counters and record: epoch, batch, step, best, metrics, history,
-        status, last_saved_step (:class:`ddpexp.training.state.RunState`)."""
+        status, last_saved_step (:class:`ddpexp.callbacks.state.RunState`)."""
         ...
 
     @property
@@ -164,7 +164,7 @@ class Callback:
       ``monitor``, ``monitor_mode``;
     - where the run is, read-only: ``epoch``, ``step``, ``batch``, ``batches_per_epoch``,
       ``resumed``, ``improved`` (the latest validation was the best so far) and ``state``
-      (the :class:`~ddpexp.training.state.RunState`: best, metrics, history, status,
+      (the :class:`~ddpexp.callbacks.state.RunState`: best, metrics, history, status,
       last_saved_step);
     - what it reports: ``loggers``, ``logged`` (the latest training metrics),
       ``log_metrics(dict, step=None)``, ``request_stop(reason, status="stopped")``;

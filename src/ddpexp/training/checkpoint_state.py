@@ -40,7 +40,7 @@ Format 2 (before callbacks) kept the top-k ranking under ``top_k`` and the early
 counter under ``early_stop``; it still resumes.
 
 ``epoch``, ``batch``, ``step``, ``best``, ``metrics`` and ``history`` are the trainer's
-:class:`~ddpexp.training.state.RunState` (its ``state_dict()``, given back by its
+:class:`~ddpexp.callbacks.state.RunState` (its ``state_dict()``, given back by its
 ``load_state_dict()``); this module reads no counter off the trainer and sets none on it.
 """
 

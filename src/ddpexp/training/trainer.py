@@ -34,6 +34,7 @@ from torch.utils.data import Dataset
 from ddpexp import strategies
 from ddpexp.callbacks.base import Callback, Dispatch
 from ddpexp.callbacks.checkpoint import ModelCheckpoint
+from ddpexp.callbacks.state import Best, RunState
 from ddpexp.config.schema import TrainerConfig
 from ddpexp.data.base import DataSource
 from ddpexp.errors import ConfigError
@@ -58,7 +59,6 @@ from ddpexp.training.agreement import STOP_STATUSES, Agreement
 from ddpexp.training.divergence import Divergence
 from ddpexp.training.meters import RunningMeans, means
 from ddpexp.training.split_metrics import SplitMetrics
-from ddpexp.training.state import Best, RunState
 
 log = logging.getLogger("ddpexp")
 

@@ -1,11 +1,12 @@
 """The run's counters as one object: :class:`RunState`, which the trainer holds as
-``trainer.state`` and which the checkpoint schema (:mod:`ddpexp.training.checkpoint_state`) reads with
-:meth:`RunState.state_dict` and restores with :meth:`RunState.load_state_dict`.
+``trainer.state`` and which the checkpoint schema (:mod:`ddpexp.training.checkpoint_state`)
+reads with :meth:`RunState.state_dict` and restores with :meth:`RunState.load_state_dict`.
 
 Only the trainer changes it while a run goes; callbacks read it (``trainer.state``, and the
-trainer's read-only ``epoch``, ``step``, ``batch``, ``improved``). Its own module rather than
-part of the trainer's, so that the checkpoint schema, the callbacks and the unit tests import
-it without the loop (and the loop's imports).
+trainer's read-only ``epoch``, ``step``, ``batch``, ``improved``). It is part of what a
+callback is shown of the run (:class:`ddpexp.callbacks.base.TrainerView`), so it lives with
+the callbacks' seam, which the loop imports, rather than with the loop: the callbacks, the
+checkpoint schema and the unit tests import it without the loop (and the loop's imports).
 
 The keys :meth:`RunState.state_dict` returns are those of checkpoint format 3 (``epoch``,
 ``batch``, ``step``, ``best``, ``metrics``, ``history``), unchanged from before the counters

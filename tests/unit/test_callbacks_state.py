@@ -1,4 +1,4 @@
-"""RunState and Best (ddpexp.training.state): the run's counters as one object, and their
+"""RunState and Best (ddpexp.callbacks.state): the run's counters as one object, and their
 round trip through a checkpoint in the format 0.1.0 wrote."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
+from ddpexp.callbacks.state import Best, RunState
 from ddpexp.checkpoint import io as ckpt_io
 from ddpexp.training.checkpoint_state import FORMAT
-from ddpexp.training.state import Best, RunState
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "rundirs"
 COUNTER_KEYS = ("epoch", "batch", "step", "best", "metrics", "history")
