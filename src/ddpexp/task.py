@@ -62,14 +62,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddpexp.config.lists import as_list
+from ddpexp.config.monitor import DEFAULT_MONITOR, DEFAULT_MONITOR_MODE
 from ddpexp.errors import ConfigError
 
 
 class Task:
     """Base class of the tasks; subclasses implement :meth:`training_step`."""
 
-    monitor: str = "val/loss"
-    monitor_mode: str = "min"
+    monitor: str = DEFAULT_MONITOR
+    monitor_mode: str = DEFAULT_MONITOR_MODE
 
     def training_step(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
         """Forward one batch; return scalar per-sample means, ``"loss"`` among them."""
@@ -315,19 +316,3 @@ class LanguageModel(Task):
     def derived(self, means: Mapping[str, float]) -> dict[str, float]:
         loss = means.get("loss")
         return {} if loss is None else {"ppl": math.exp(min(loss, 700.0))}
-
-
-def task_defaults(target: str) -> tuple[str, str]:
-    """``(monitor, monitor_mode)`` of the task class ``target`` names, read from its class
-    attributes without building it."""
-    from hydra.utils import get_class
-
-    try:
-        cls = get_class(target)
-    except Exception as exc:  # ImportError, AttributeError, hydra's own wrapping
-        raise ConfigError(f"task._target_={target} cannot be imported: {exc}") from None
-    monitor = getattr(cls, "monitor", Task.monitor)
-    mode = str(getattr(cls, "monitor_mode", Task.monitor_mode))
-    if mode not in ("min", "max"):
-        raise ConfigError(f"{target}.monitor_mode={mode!r} is not one of min, max")
-    return monitor, mode

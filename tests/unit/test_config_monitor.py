@@ -17,6 +17,13 @@ def test_guess_mode(name, mode):
     assert monitor.guess_mode(name) == mode
 
 
+def test_task_defaults():
+    assert monitor.task_defaults("ddpexp.task.Classification") == ("val/acc", "max")
+    assert monitor.task_defaults("ddpexp.task.Task") == ("val/loss", "min")
+    with pytest.raises(ConfigError, match="task._target_=ddpexp.task.Nope cannot be imported"):
+        monitor.task_defaults("ddpexp.task.Nope")
+
+
 def test_resolve_from_task_defaults():
     assert monitor.resolve_monitor("ddpexp.task.Classification") == ("val/acc", "max")
     assert monitor.resolve_monitor("ddpexp.task.Regression") == ("val/mse", "min")

@@ -135,13 +135,6 @@ def test_as_task_needs_training_step():
         tasks.as_task(object())
 
 
-def test_task_defaults():
-    assert tasks.task_defaults("ddpexp.task.Classification") == ("val/acc", "max")
-    assert tasks.task_defaults("ddpexp.task.Task") == ("val/loss", "min")
-    with pytest.raises(ConfigError, match="task._target_=ddpexp.task.Nope cannot be imported"):
-        tasks.task_defaults("ddpexp.task.Nope")
-
-
 def test_update_metrics_feeds_outputs_and_target():
     seen = []
 

@@ -10,6 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from ddpexp.errors import ConfigError
+
+# What a task class that names no monitor is judged by (ddpexp.task.Task's own defaults).
+DEFAULT_MONITOR, DEFAULT_MONITOR_MODE = "val/loss", "min"
+
 # Name parts of metrics where larger is better; any other metric a user monitors is minimised.
 _LARGER_IS_BETTER = ("acc", "f1", "auc", "auroc", "precision", "recall", "score", "iou", "dice",
                      "r2", "bleu")
@@ -24,13 +29,27 @@ def resolve_monitor(task_target: str, monitor: str | None = None,
     mode = getattr(mode, "value", mode)
     if monitor is not None and mode is not None:
         return str(monitor), str(mode)
-    # Importing the task class imports torch: only when the task's defaults are needed.
-    from ddpexp.task import task_defaults
-
     task_monitor, task_mode = task_defaults(task_target)
     if monitor is None:
         return task_monitor, str(mode) if mode is not None else task_mode
     return str(monitor), task_mode if monitor == task_monitor else guess_mode(str(monitor))
+
+
+def task_defaults(target: str) -> tuple[str, str]:
+    """``(monitor, monitor_mode)`` of the task class ``target`` names, read from its class
+    attributes without building it."""
+    from hydra.utils import get_class
+
+    try:
+        # Importing the task class imports torch: only when the task's defaults are needed.
+        cls = get_class(target)
+    except Exception as exc:  # ImportError, AttributeError, hydra's own wrapping
+        raise ConfigError(f"task._target_={target} cannot be imported: {exc}") from None
+    monitor = getattr(cls, "monitor", DEFAULT_MONITOR)
+    mode = str(getattr(cls, "monitor_mode", DEFAULT_MONITOR_MODE))
+    if mode not in ("min", "max"):
+        raise ConfigError(f"{target}.monitor_mode={mode!r} is not one of min, max")
+    return monitor, mode
 
 
 def fill_monitor(config: dict) -> None:
