@@ -14,20 +14,22 @@ from ddpexp import strategies
 from ddpexp.runtime.dist import DistContext
 from ddpexp.strategies.base import Local, _by_name, _optimizer_by_name, debug_modes
 from ddpexp.strategies.ddp import DDP
+from ddpexp.strategies.dp import DataParallel
 
 CTX = DistContext()
 
 
 def test_for_config_picks_class(trainer_config):
     assert type(strategies.for_config(trainer_config(strategy="single"), CTX)) is Local
-    assert type(strategies.for_config(trainer_config(strategy="dp"), CTX)) is Local
+    assert type(strategies.for_config(trainer_config(strategy="dp"), CTX)) is DataParallel
     assert type(strategies.for_config(trainer_config(strategy="ddp"), CTX)) is DDP
     assert type(strategies.for_config(trainer_config(strategy="fsdp"), CTX)).__name__ == "FSDP"
 
 
 def test_local_wrap_is_identity_on_cpu(trainer_config, tiny_model):
-    s = Local(trainer_config(strategy="dp"), CTX)
-    assert s.wrap(tiny_model) is tiny_model and not s.sharded
+    for s in (Local(trainer_config(strategy="single"), CTX),
+              DataParallel(trainer_config(strategy="dp"), CTX)):
+        assert s.wrap(tiny_model) is tiny_model and not s.sharded
 
 
 def test_sync_batchnorm_ignored_with_warning(trainer_config, tiny_model, caplog):

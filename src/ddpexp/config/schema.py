@@ -1,7 +1,7 @@
 """The typed part of ddpexp's configuration and the OmegaConf resolvers its YAML uses.
 
 What code reads (the ``trainer`` node, ``seed``, ``resume``) is a dataclass in Hydra's
-ConfigStore, so a typo such as ``trainer.gpu=4`` or ``trainer.strategy=dpp`` fails while the
+ConfigStore, so a typo such as ``trainer.gpu=4`` or ``trainer.max_epochs=abc`` fails while the
 config is composed, before anything runs. What users swap (``model``, ``data``, ``optimizer``,
 ``scheduler``) stays YAML with a ``_target_`` and is checked when it is instantiated.
 """
@@ -16,16 +16,6 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from ddpexp.config.rundir import hydra_subdir, resume_dir, unique_dir
-
-
-class Strategy(Enum):
-    """How the workers of a run share the model."""
-
-    auto = "auto"
-    ddp = "ddp"
-    fsdp = "fsdp"
-    dp = "dp"
-    single = "single"
 
 
 class MonitorMode(Enum):
@@ -66,7 +56,11 @@ class TrainerConfig:
     # host:port of the rendezvous when nodes > 1.
     rdzv_endpoint: str | None = None
     rdzv_timeout_s: int = 300
-    strategy: Strategy = Strategy.auto
+    # How the workers share the model: a name of ddpexp.strategies.registry (auto, ddp, fsdp,
+    # dp, single), a strategy class's dotted path, or a node with _target_ (and keyword
+    # arguments of the class). Typed Any so that it may be a node; the launching process
+    # resolves it and refuses an unknown name.
+    strategy: Any = "auto"
     # Kept small so that the default run is short.
     max_epochs: int = 10
     # Stop after this many optimizer steps in all (None = no limit).

@@ -22,7 +22,7 @@ from typing import Any, cast
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ddpexp.config.cli import continue_sweep, env_flag, resume_command
@@ -37,6 +37,7 @@ from ddpexp.launch.watchdog import Watchdog
 from ddpexp.launch.world import OWN_WORKER_ENV, World, detect
 from ddpexp.record import record_failure, record_wall_time, run_started
 from ddpexp.runtime.signals import stop_signals
+from ddpexp.strategies import registry
 
 log = logging.getLogger("ddpexp")
 
@@ -45,7 +46,7 @@ log = logging.getLogger("ddpexp")
 class Plan:
     """How a run is laid out: the strategy and the workers per node and in all."""
 
-    strategy: str
+    strategy: Any  # trainer.strategy with auto resolved: a name, a class path or a _target_ node
     procs: int
     nodes: int
     gpus: int
@@ -58,7 +59,8 @@ class Plan:
 def plan_run(trainer: Any, visible_gpus: int | None = None) -> Plan:
     """Resolve ``strategy=auto`` and ``procs=null`` and reject layouts that cannot run."""
     gpus, nodes = int(trainer.gpus), int(trainer.nodes)
-    strategy = getattr(trainer.strategy, "value", str(trainer.strategy))
+    strategy = _plain(trainer.strategy)
+    kind = None if registry.is_auto(strategy) else registry.strategy_class(strategy)
     if gpus > 0:
         if visible_gpus is None:
             import torch
@@ -73,14 +75,14 @@ def plan_run(trainer: Any, visible_gpus: int | None = None) -> Plan:
                 f"Use {fix}" + (", or trainer.gpus=0 for the CPU" if visible_gpus else "") + "."
             )
     procs = trainer.procs
-    if strategy == "dp":
+    if kind is not None and kind.one_process:
         if procs not in (None, 1) or nodes != 1:
             raise ConfigError(
-                "trainer.strategy=dp is one process on one node (nn.DataParallel over "
-                f"trainer.gpus); got trainer.procs={procs}, trainer.nodes={nodes}. "
+                f"trainer.strategy={registry.label(strategy)} is one process on one node "
+                f"({kind.__name__} over trainer.gpus); got trainer.procs={procs}, trainer.nodes={nodes}. "
                 "Use trainer.strategy=ddp for several processes."
             )
-        return Plan("dp", 1, 1, gpus)
+        return Plan(strategy, 1, 1, gpus)
     if procs is None:
         procs = gpus if gpus > 0 else 1
     if gpus > 0 and procs != gpus:
@@ -89,14 +91,21 @@ def plan_run(trainer: Any, visible_gpus: int | None = None) -> Plan:
             "leave trainer.procs unset"
         )
     world = procs * nodes
-    if strategy == "single" and world > 1:
+    if kind is not None and not kind.spans_processes and world > 1:
         raise ConfigError(
-            f"trainer.strategy=single runs one process, but trainer.procs x trainer.nodes = {world}; "
-            "use trainer.strategy=ddp (or auto)"
+            f"trainer.strategy={registry.label(strategy)} runs one process, but trainer.procs x "
+            f"trainer.nodes = {world}; use trainer.strategy=ddp (or auto)"
         )
-    if strategy == "auto":
-        strategy = "ddp" if world > 1 else "single"
+    if kind is None:
+        strategy = registry.resolve_auto(world)
     return Plan(strategy, procs, nodes, gpus)
+
+
+def _plain(strategy: Any) -> Any:
+    """``trainer.strategy`` as plain Python (a ``_target_`` node as a dict)."""
+    if isinstance(strategy, DictConfig):
+        return OmegaConf.to_container(strategy, resolve=True)
+    return strategy
 
 
 def overrides_as_hparams(overrides: list[str]) -> dict[str, Any]:
@@ -186,7 +195,7 @@ def run(cfg: DictConfig) -> float | None:
         raise
     log.info("run dir: %s", run_dir)
     log.info("%d worker(s)%s: strategy=%s, %s", plan.world_size,
-             f" ({world.label})" if world is not None else "", plan.strategy,
+             f" ({world.label})" if world is not None else "", registry.label(plan.strategy),
              f"{plan.gpus} GPU(s) per node" if plan.gpus else "CPU")
     if resume is None and cfg.resume == "auto":
         log.info("resume=auto: no checkpoint in %s, starting from scratch", run_dir / "checkpoints")
@@ -297,12 +306,14 @@ def world_plan(trainer: Any, world: World) -> Plan:
     across them. A ``trainer.procs``, ``trainer.gpus`` or ``trainer.nodes`` that asks for
     another layout than the launcher's is refused: the launcher, not ddpexp, decides how many
     workers there are."""
-    strategy = getattr(trainer.strategy, "value", str(trainer.strategy))
+    strategy = _plain(trainer.strategy)
     size, per_node = world.world_size, world.local_world_size
-    if strategy not in ("auto", "ddp", "fsdp"):
+    if registry.is_auto(strategy):
+        strategy = registry.resolve_auto(size, launched_elsewhere=True)
+    if not registry.strategy_class(strategy).spans_processes:
         raise ConfigError(
-            f"trainer.strategy={strategy} cannot span the {size} ranks of {world.what}; use "
-            "trainer.strategy=ddp or fsdp (or start one process)"
+            f"trainer.strategy={registry.label(strategy)} cannot span the {size} ranks of "
+            f"{world.what}; use trainer.strategy=ddp or fsdp (or start one process)"
         )
     gpus, procs, nodes = int(trainer.gpus), trainer.procs, int(trainer.nodes)
     own = _per_node_flag(world, per_node)
@@ -323,7 +334,7 @@ def world_plan(trainer: Any, world: World) -> Plan:
             f"trainer.nodes={nodes}, but {world.what} span {world.nodes} node(s): leave "
             "trainer.nodes unset (the launcher decides the nodes)"
         )
-    return Plan("fsdp" if strategy == "fsdp" else "ddp", per_node, world.nodes, gpus)
+    return Plan(strategy, per_node, world.nodes, gpus)
 
 
 def _per_node_flag(world: World, n: int) -> str:

@@ -22,6 +22,7 @@ from ddpexp.checkpoint.io import newest_last
 from ddpexp.launch import proc
 from ddpexp.launch.failures import explain_os_error
 from ddpexp.runtime import dist as ddist
+from ddpexp.strategies.registry import strategy_class
 from ddpexp.training.trainer import Trainer
 
 log = logging.getLogger("ddpexp")
@@ -91,7 +92,8 @@ def run_worker(payload: WorkerPayload, store: dist.Store | None = None) -> dict 
             log.warning("restart %d of the worker group: resuming from %s", ctx.restart,
                         resume_from or "scratch (no checkpoint yet)")
     ddist.init_process_group(ctx, trainer_cfg["dist_timeout_s"],
-                             force=trainer_cfg["strategy"] in ("ddp", "fsdp"), store=store)
+                             force=strategy_class(trainer_cfg["strategy"]).spans_processes,
+                             store=store)
     if not payload.in_process:
         # A full disk costs the log its lines, not a "--- Logging error ---" traceback per
         # line (launch.failures.quiet_logging_errors; in process, the run's parent set it).

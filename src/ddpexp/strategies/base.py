@@ -1,36 +1,69 @@
-"""What every strategy does, as ``single`` does it: the default of each step a strategy
-may change, and the torch modes a run executes under."""
+"""What every strategy answers and does (:class:`Strategy`), ``single`` (:class:`Local`),
+and the torch modes a run executes under."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ddpexp.checkpoint import io as ckpt_io
-from ddpexp.config.schema import Strategy, TrainerConfig
+from ddpexp.config.schema import TrainerConfig
 from ddpexp.runtime.dist import DistContext
 from ddpexp.strategies.blocks import checkpoint_activations, find_blocks
 
 log = logging.getLogger("ddpexp")
 
 
-class Local:
-    """One process holds the whole model (``single``, ``dp``)."""
+class Strategy(ABC):
+    """How the workers of a run share the model: what the launching process asks before any
+    process group exists (class attributes), and what each step of a rank does (methods,
+    whose defaults hold for a strategy that keeps the whole model on every rank).
 
-    # Whether each rank holds only shards of the model's state (every rank then takes part
-    # in writing a checkpoint).
-    sharded = False
+    ``trainer.strategy`` names a subclass by its registered name
+    (:mod:`ddpexp.strategies.registry`) or by its dotted path; it is built as
+    ``cls(trainer_config, dist_context)``.
+    """
+
+    #: The name ``trainer.strategy`` registers it under ("" for a class named by its path).
+    name: ClassVar[str] = ""
+    #: Whether it runs as one process per rank in a process group (set up even for one
+    #: process); False: one process in all, and no process group.
+    spans_processes: ClassVar[bool] = True
+    #: Whether its one process drives every GPU of ``trainer.gpus`` on one node.
+    one_process: ClassVar[bool] = False
+    #: Whether each rank holds only shards of the model's state: every rank then takes part
+    #: in writing a checkpoint, and ``last`` is a sharded directory rather than one file.
+    sharded: ClassVar[bool] = False
+    #: Whether the model's parameters may be laid out channels_last (``trainer.channels_last``).
+    channels_last: ClassVar[bool] = True
 
     def __init__(self, t: TrainerConfig, ctx: DistContext):
         self.t, self.ctx = t, ctx
+
+    @classmethod
+    def label(cls) -> str:
+        """The strategy as messages name it: its registered name, or its class's path."""
+        return vars(cls).get("name") or f"{cls.__module__}.{cls.__qualname__}"
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's place among the replicas that train on different data (its shard of
+        each split)."""
+        return self.ctx.rank
+
+    @property
+    def dp_size(self) -> int:
+        """How many replicas train on different data (the shards each split is cut into)."""
+        return self.ctx.world_size
 
     def checkpoint_activations(self, module: nn.Module) -> None:
         """``trainer.activation_checkpointing``: each block recomputed in backward."""
@@ -43,19 +76,11 @@ class Local:
     def prepare(self, module: nn.Module) -> nn.Module:
         """``module`` (already on the device) ready to be wrapped: SyncBatchNorm where asked
         and where it has something to do."""
-        if self.t.sync_batchnorm and self.ctx.is_main:
-            # torch's SyncBatchNorm has no CPU kernel (config.validate refuses CPU DDP with it);
-            # one process has nothing to synchronise, so there it is ignored.
-            log.warning("trainer.sync_batchnorm ignored: one process (strategy=%s, %s) has "
-                        "no BatchNorm statistics to synchronise", self.t.strategy.value,
-                        self.ctx.device.type)
         return module
 
+    @abstractmethod
     def wrap(self, module: nn.Module) -> nn.Module:
         """The model the training step calls."""
-        if self.t.strategy is Strategy.dp and torch.cuda.device_count() > 1:
-            return nn.DataParallel(module)
-        return module
 
     def no_sync(self, model: nn.Module, sync: bool) -> AbstractContextManager[Any]:
         """The context of a micro-batch's forward and backward; ``sync`` is False for all but
@@ -127,6 +152,25 @@ class Local:
     def snapshot(self, module: nn.Module) -> dict:
         """A copy of the model's weights to put back with ``module.load_state_dict``."""
         return {k: v.to("cpu", copy=True) for k, v in module.state_dict().items()}
+
+
+class Local(Strategy):
+    """``single``: one process holds the whole model."""
+
+    name = "single"
+    spans_processes = False
+
+    def prepare(self, module: nn.Module) -> nn.Module:
+        if self.t.sync_batchnorm and self.ctx.is_main:
+            # torch's SyncBatchNorm has no CPU kernel (config.validate refuses CPU DDP with it);
+            # one process has nothing to synchronise, so there it is ignored.
+            log.warning("trainer.sync_batchnorm ignored: one process (strategy=%s, %s) has "
+                        "no BatchNorm statistics to synchronise", self.label(),
+                        self.ctx.device.type)
+        return super().prepare(module)
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        return module
 
 
 def _whole(norm: torch.Tensor) -> torch.Tensor:

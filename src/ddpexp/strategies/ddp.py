@@ -17,6 +17,9 @@ log = logging.getLogger("ddpexp")
 class DDP(Local):
     """One model replica per process, gradients all-reduced in buckets."""
 
+    name = "ddp"
+    spans_processes = True
+
     def prepare(self, module: nn.Module) -> nn.Module:
         if self.t.sync_batchnorm and self.ctx.device.type != "cpu":
             return nn.SyncBatchNorm.convert_sync_batchnorm(module)

@@ -34,7 +34,10 @@ class FSDP(DDP):
     best.pt and the top-k files are one file each, the whole weights gathered to rank 0.
     """
 
+    name = "fsdp"
     sharded = True
+    # FSDP2 shards only contiguous parameters (channels_last ones are not).
+    channels_last = False
 
     def __init__(self, t: TrainerConfig, ctx: DistContext):
         super().__init__(t, ctx)

@@ -74,12 +74,23 @@ def job_workers(cfg: Any) -> int:
         return 1
     procs = _select(trainer, "procs", default=None)
     gpus = int(_select(trainer, "gpus", default=0) or 0)
-    if str(_select(trainer, "strategy", default="auto")) == "dp":
-        return 1
     try:
-        return max(1, int(procs)) if procs is not None else max(1, gpus)
+        if procs is not None:
+            return max(1, int(procs))
     except (TypeError, ValueError):
         return 1
+    if gpus <= 1:
+        return 1
+    # Only here can the strategy matter (dp drives the GPUs from one process): its class,
+    # and torch with it, is imported for a job of several GPUs, not for every job.
+    from ddpexp.errors import ConfigError
+    from ddpexp.strategies.registry import strategy_class
+
+    try:
+        one = strategy_class(_select(trainer, "strategy", default="auto"), gpus).one_process
+    except ConfigError:  # refused when the job runs
+        return 1
+    return 1 if one else gpus
 
 
 def _select(cfg: Any, key: str, default: Any = None) -> Any:

@@ -62,7 +62,7 @@ from ddpexp.runtime.dist import rng_state, set_rng_state
 
 if TYPE_CHECKING:
     from ddpexp.data.base import DataSource
-    from ddpexp.strategies.base import Local
+    from ddpexp.strategies.base import Strategy
     from ddpexp.training.meters import RunningMeans
 
 log = logging.getLogger("ddpexp")
@@ -75,7 +75,7 @@ class Trainer(TrainerView, Protocol):
     beyond what callbacks see. A protocol, not the trainer's class: the trainer imports this
     module, and this one states what it needs instead of importing the trainer."""
 
-    strategy: Local
+    strategy: Strategy
     scheduler: Any | None  # an lr scheduler: state_dict() / load_state_dict()
     scaler: torch.amp.GradScaler
     train_means: RunningMeans

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from ddpexp.callbacks.checkpoint import ModelCheckpoint
     from ddpexp.data.base import DataSource
-    from ddpexp.strategies.base import Local
+    from ddpexp.strategies.base import Strategy
 
 log = logging.getLogger("ddpexp")
 
@@ -35,7 +35,7 @@ class Trainer(TrainerView, Protocol):
     data: DataSource
     val_ds: Dataset
     test_ds: Dataset | None
-    strategy: Local
+    strategy: Strategy
     evaluated_samples: int  # set by each evaluate()
 
     @property

@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence, Sized
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.utils.data import Dataset, Subset
@@ -15,6 +15,9 @@ from torch.utils.data import Dataset, Subset
 from ddpexp.config.schema import TrainerConfig
 from ddpexp.data.base import DataSource, ResumableDistributedSampler
 from ddpexp.runtime.dist import DistContext, derive_seed
+
+if TYPE_CHECKING:
+    from ddpexp.strategies.base import Strategy
 
 
 @dataclass
@@ -32,39 +35,50 @@ class Loaders:
 
 
 def build(t: TrainerConfig, ctx: DistContext, data: DataSource, datasets: Sequence[Dataset],
-          seed: int) -> Loaders:
-    """This rank's loaders of ``datasets`` = (train, val[, test])."""
+          seed: int, strategy: Strategy | None = None) -> Loaders:
+    """This rank's loaders of ``datasets`` = (train, val[, test]), each split cut into
+    ``strategy``'s data-parallel shards (None: one per rank of ``ctx``)."""
     train_ds, val_ds = datasets[0], datasets[1]
     on_gpu = ctx.device.type == "cuda"
     overfit = t.overfit_batches
-    sampler = ResumableDistributedSampler(train_ds, num_replicas=ctx.world_size, rank=ctx.rank,
+    rank, replicas = _shard(ctx, strategy)
+    sampler = ResumableDistributedSampler(train_ds, num_replicas=replicas, rank=rank,
                                           shuffle=overfit is None, seed=seed, drop_last=False)
-    rank_seed = derive_seed(seed, ctx.rank)
+    # Seeded by the shard: ranks that share one (a model-parallel group) draw the same batches.
+    rank_seed = derive_seed(seed, rank)
     train_loader = data.loader(train_ds, sampler, seed=rank_seed, on_gpu=on_gpu, train=True)
     limit = overfit or t.limit_train_batches
     batches = len(train_loader) if limit is None else min(limit, len(train_loader))
     if overfit is not None:
         # Unshuffled, rank r trains on indices r, r + world, ...: the first batches of all
         # ranks together are the dataset's first samples, which are validated on.
-        trained = min(len(cast(Sized, train_ds)), overfit * data.batch_size * ctx.world_size)
+        trained = min(len(cast(Sized, train_ds)), overfit * data.batch_size * replicas)
         val_ds = Subset(train_ds, range(trained))
     return Loaders(
         train_sampler=sampler, train_loader=train_loader, batches_per_epoch=batches,
         rank_train_samples=min(len(sampler), batches * data.batch_size),
-        val_ds=val_ds, val_loader=eval_loader(t, ctx, data, val_ds, rank_seed),
+        val_ds=val_ds, val_loader=eval_loader(t, ctx, data, val_ds, rank_seed, strategy),
         test_ds=datasets[2] if len(datasets) > 2 else None, rank_seed=rank_seed,
     )
 
 
 def eval_loader(t: TrainerConfig, ctx: DistContext, data: DataSource, dataset: Dataset,
-                rank_seed: int) -> Any:
+                rank_seed: int, strategy: Strategy | None = None) -> Any:
     """This rank's shard of ``dataset``, without padding (``trainer.limit_val_batches``
-    applied)."""
-    shard = range(ctx.rank, len(cast(Sized, dataset)), ctx.world_size)  # map-style
+    applied); the shards are ``strategy``'s data-parallel ones, as in :func:`build`."""
+    rank, replicas = _shard(ctx, strategy)
+    shard = range(rank, len(cast(Sized, dataset)), replicas)  # map-style
     loader = data.loader(dataset, list(shard), seed=rank_seed, on_gpu=ctx.device.type == "cuda",
                          train=False)
     limit = t.limit_val_batches
     return loader if limit is None else FirstBatches(loader, limit)
+
+
+def _shard(ctx: DistContext, strategy: Strategy | None) -> tuple[int, int]:
+    """(this rank's shard, the number of shards) each split is cut into."""
+    if strategy is None:
+        return ctx.rank, ctx.world_size
+    return strategy.dp_rank, strategy.dp_size
 
 
 class FirstBatches:

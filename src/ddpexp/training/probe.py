@@ -20,6 +20,7 @@ from torch.utils.data import Dataset, default_collate
 from ddpexp import models
 from ddpexp.callbacks.base import TrainerView
 from ddpexp.errors import ConfigError
+from ddpexp.strategies.registry import label, strategy_class
 from ddpexp.training import loaders
 from ddpexp.training.meters import metric_names
 
@@ -202,11 +203,11 @@ def memory_format(model: nn.Module, t: Any, device: torch.device) -> tuple[torch
     must confirm it: where the default chose channels_last for a model not known to take it,
     and where it was asked for (so that a model it breaks is told which key to change)."""
     channels_last = t.channels_last
-    if getattr(t.strategy, "value", t.strategy) == "fsdp":
+    if not strategy_class(t.strategy).channels_last:
         if channels_last:
-            raise ConfigError("trainer.channels_last=true with trainer.strategy=fsdp: FSDP shards "
-                              "only contiguous parameters; leave trainer.channels_last unset")
-        channels_last = False  # FSDP2 refuses channels_last (non-contiguous) parameters
+            raise ConfigError(f"trainer.channels_last=true with trainer.strategy={label(t.strategy)}: "
+                              "its parameters must stay contiguous; leave trainer.channels_last unset")
+        channels_last = False  # e.g. FSDP2 refuses channels_last (non-contiguous) parameters
     if channels_last is None:
         channels_last = channels_last_pays(model, device, str(t.precision))
     on_trial = bool(channels_last) and (t.channels_last is True or not models.channels_last_safe(model))

@@ -99,7 +99,8 @@ class Trainer:
         if cfg.deterministic:
             # cuBLAS is deterministic only with a fixed workspace, chosen before its first use.
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        built = loaders.build(cfg, ctx, data, datasets, seed)
+        self.strategy = strategies.for_config(cfg, ctx)
+        built = loaders.build(cfg, ctx, data, datasets, seed, self.strategy)
         self.train_sampler, self.train_loader = built.train_sampler, built.train_loader
         self.batches_per_epoch, self.rank_train_samples = built.batches_per_epoch, built.rank_train_samples
         self.val_ds, self.val_loader, self.test_ds = built.val_ds, built.val_loader, built.test_ds
@@ -112,7 +113,6 @@ class Trainer:
         probed = probe.check_task(self, self.memory_format, self.layout_on_trial)
         self.val_names, self.memory_format = probed.val_names, probed.memory_format
         self.divergence.ceiling.set_start(probed.start_loss)
-        self.strategy = strategies.for_config(cfg, ctx)
         self.strategy.checkpoint_activations(self.module)
         self.module = self.strategy.prepare(self.module)
         self.model = self.strategy.wrap(self.module)
@@ -238,7 +238,8 @@ class Trainer:
     # ------------------------------------------------------------------ building
     def eval_loader(self, dataset: Dataset):
         """This rank's unpadded shard of ``dataset`` (each sample counted once in all)."""
-        return loaders.eval_loader(self.t, self.ctx, self.data, dataset, self.rank_seed)
+        return loaders.eval_loader(self.t, self.ctx, self.data, dataset, self.rank_seed,
+                                   self.strategy)
 
     def _place_model(self, model: nn.Module) -> None:
         """The model on this rank's device, in its memory format, with its autocast dtype."""
