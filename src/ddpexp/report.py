@@ -357,7 +357,8 @@ class SweepSummary(Callback):
     ``submitit_local``, ``basic``); ddpexp's config names it in ``hydra.callbacks``. It is
     refreshed as each job ends, in the job's process (so that a sweep whose last job failed,
     which Hydra then ends with that job's error, still has its table), and written once more,
-    and printed, when the sweep ends. ddpexp's ``ddp`` launcher writes its own."""
+    and printed, when the sweep ends. A launcher that runs its jobs through ddpexp's sweep
+    driver (one that offers a backend: ``ddp``) writes its own."""
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         if OmegaConf.select(config, "hydra.mode") == RunMode.MULTIRUN:
@@ -372,14 +373,28 @@ class SweepSummary(Callback):
 
     @staticmethod
     def _write(config: DictConfig) -> list[Row]:
-        target = str(OmegaConf.select(config, "hydra.launcher._target_", default="") or "")
-        if "ddpexp_launcher" in target:
+        if _drives_its_sweep(OmegaConf.select(config, "hydra.launcher._target_", default=None)):
             return []
         sweep_dir = Path(str(config.hydra.sweep.dir))
         rows = collect(sweep_dir) if sweep_dir.is_dir() else []
         if rows:
             write_summary(sweep_dir, rows)
         return rows
+
+
+def _drives_its_sweep(target: Any) -> bool:
+    """Whether the launcher class ``target`` names runs its jobs through ddpexp's sweep driver,
+    which writes the table itself: it offers a ``backend()`` (the seam of
+    :mod:`ddpexp.sweep.backend`). Hydra's plugin modules are light to import (Hydra imports
+    every one at start)."""
+    if not target:
+        return False
+    from hydra.utils import get_class
+
+    try:
+        return callable(getattr(get_class(str(target)), "backend", None))
+    except Exception:  # a launcher that cannot be imported here drives nothing of ddpexp's
+        return False
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_slices_are_disjoint_and_jobs_wait_for_gpus() -> None:
-    from ddpexp.sweep.pool import Slices
+    from ddpexp.sweep.local import Slices
 
     cores = sorted(os.sched_getaffinity(0))
     slices = Slices(2, ["a", "b", "c"])

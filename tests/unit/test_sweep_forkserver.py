@@ -68,11 +68,11 @@ def test_a_launcher_that_does_not_fork_ends_it(early):
 
     from omegaconf import OmegaConf
 
-    from ddpexp.sweep import pool
+    from ddpexp.sweep import local
 
     launcher = SimpleNamespace(max_parallel=None, fork=False, preload=None,
                                config=OmegaConf.create({"trainer": {"procs": 1}}))
-    sweep = pool.Pool(launcher)
-    sweep.start_server()
+    sweep = local.LocalBackend(launcher)
+    sweep.prepare()
     assert sweep._server is None and forkserver._EARLY is None
     assert early.proc.poll() is not None

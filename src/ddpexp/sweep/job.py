@@ -1,6 +1,6 @@
 """One sweep job in its own process: ``python -m ddpexp.sweep.job SPEC RESULT``.
 
-The launcher (:mod:`ddpexp.sweep.pool`) writes SPEC: first a plain pickle ``{"sys_path",
+The local backend (:mod:`ddpexp.sweep.local`) writes SPEC: first a plain pickle ``{"sys_path",
 "cores"}`` (read before anything else is imported, so the CPU affinity is set before torch or
 OpenMP start threads), then a cloudpickle of the task function, the job's sweep config, the
 Hydra context and Hydra's Singleton state (config store, resolvers), as Hydra's submitit

@@ -2,9 +2,11 @@
 hands over to inside ``sweep()``.
 
 An optuna study in ``<sweep dir>/optuna.journal`` (optuna's journal file storage: several
-processes may read and write it, no database server) is driven by ask/tell on the ddp
-launcher's :class:`~ddpexp.sweep.pool.Pool`: whenever there is room for a job a
-trial is asked and its job started, and whenever a job ends its trial is told. So the machine
+processes may read and write it, no database server) is driven by ask/tell on the
+sweep's :class:`~ddpexp.sweep.driver.Driver`, over the backend the launcher offers
+(:mod:`ddpexp.sweep.backend`; the ddp launcher's runs jobs on this machine): whenever there
+is room for a job a trial is asked and its job started, and whenever a job ends its trial is
+told. So the machine
 stays full (``max_parallel: null``), or ``max_parallel`` trials run, at every moment until
 ``n_trials`` have been asked. Trial N runs in the sweep's
 job dir N. Each job process gets the trial's identity in its environment
@@ -32,11 +34,11 @@ from ddpexp.config.cli import continue_sweep
 from ddpexp.config.monitor import resolve_monitor
 from ddpexp.errors import ConfigError
 from ddpexp.record import read_metrics_or_empty
-from ddpexp.sweep import pool as sweep_pool
+from ddpexp.sweep import driver as sweep_driver
 from ddpexp.sweep import pruning
 from ddpexp.sweep import space as sweep_space
+from ddpexp.sweep.backend import Backend, Job, JobFailed, JobSkipped, SweepInterrupted, backend_of
 from ddpexp.sweep.summary import job_error, summarize
-from hydra_plugins.ddpexp_launcher.ddp_launcher import DdpLauncher
 
 log = logging.getLogger("hydra_plugins.ddpexp_optuna_sweeper")
 
@@ -46,7 +48,7 @@ SAMPLERS = ("tpe", "random", "grid")
 DIRECTIONS = ("maximize", "minimize")
 
 
-class SearchStopped(sweep_pool.JobFailed):
+class SearchStopped(JobFailed):
     """The search ended early: a trial failed under ``fail_fast``, or no trial completed."""
 
 
@@ -56,7 +58,8 @@ def run(sweeper: Any, arguments: list[str]) -> dict | None:
     import optuna
 
     launcher = sweeper.launcher
-    if not isinstance(launcher, DdpLauncher):
+    backend = backend_of(launcher)
+    if backend is None:
         raise ConfigError("hydra/sweeper=optuna_async starts its trials on ddpexp's launcher: "
                           f"use hydra/launcher=ddp (this sweep has {type(launcher).__name__})")
     fixed, space = sweep_space.parse(arguments, sweeper.params)
@@ -65,11 +68,11 @@ def run(sweeper: Any, arguments: list[str]) -> dict | None:
                           "'optimizer.lr=tag(log,interval(1e-4,1e-1))' or "
                           "'data.batch_size=choice(32,64,128)' (or hydra.sweeper.params)")
     config = sweeper.config
-    sweep_dir = sweep_pool.begin(launcher)
+    sweep_dir = sweep_driver.begin(launcher)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = _open_study(sweeper, config, sweep_dir, space)
     search = _Search(sweeper, study, fixed, space, sweep_dir)
-    return search.run()
+    return search.run(backend)
 
 
 def _monitored(config: Any) -> tuple:
@@ -139,15 +142,16 @@ class _Search:
                  sweep_dir: Path) -> None:
         self.sweeper, self.study, self.fixed, self.space = sweeper, study, fixed, space
         self.launcher = sweeper.launcher
+        self.fail_fast = bool(getattr(self.launcher, "fail_fast", False))
         self.sweep_dir = sweep_dir
-        self.jobs: list[sweep_pool.Job] = []
+        self.jobs: list[Job] = []
         self.failed = False
         self.monitor = _monitored(sweeper.config)[0]
         self.cut_off: list[Any] = []  # trials RUNNING in the study when this search started
         self.to_ask = 0
 
     # ------------------------------------------------------------------ the loop
-    def run(self) -> dict | None:
+    def run(self, backend: Backend) -> dict | None:
         from optuna.trial import TrialState
 
         trials = self.study.get_trials(deepcopy=False)
@@ -158,32 +162,31 @@ class _Search:
             grid = sweep_space.grid(self.space)
             n_trials = min(n_trials, math.prod(len(v) for v in grid.values()))
         self.to_ask = max(0, n_trials - done - len(self.cut_off))
-        pool = sweep_pool.Pool(self.launcher)
+        driver = sweep_driver.Driver(self.launcher, backend)
         log.info("optuna_async: study %r in %s: %d trial(s) done before, %d to resume, %d to "
                  "ask, %s", self.study.study_name, self.sweep_dir / JOURNAL, done,
-                 len(self.cut_off), self.to_ask, pool.slices.describe())
-        with pool:
-            waiting = self._fill(pool, None)
-            while pool.running:
-                ended = pool.wait_any()
+                 len(self.cut_off), self.to_ask, backend.describe())
+        with driver:
+            waiting = self._fill(driver, None)
+            while driver.running:
+                ended = driver.wait_any()
                 for job in ended:
-                    self._tell(job, pool)
+                    self._tell(job, driver)
                 if ended:
                     summarize(self.launcher, self.jobs, self.sweep_dir, final=False)
-                waiting = self._fill(pool, waiting)
-        if waiting is not None and not pool.stopped:
+                waiting = self._fill(driver, waiting)
+        if waiting is not None and not driver.stopped:
             why = "not run: an earlier trial failed and hydra.launcher.fail_fast=true"
             waiting.ret = JobReturn(overrides=waiting.overrides, cfg=waiting.config,
-                                          status=JobStatus.FAILED,
-                                          _return_value=sweep_pool.JobSkipped(why))
+                                    status=JobStatus.FAILED, _return_value=JobSkipped(why))
             self._tell_state(waiting.idx, "fail", why)
         summarize(self.launcher, self.jobs, self.sweep_dir)
         best = self._results()
-        if pool.stopped:
-            raise sweep_pool.SweepInterrupted(
-                f"the search was stopped by {pool.stopped}. To continue it, "
+        if driver.stopped:
+            raise SweepInterrupted(
+                f"the search was stopped by {driver.stopped}. To continue it, "
                 f"{continue_sweep(self.sweep_dir)}")
-        if self.failed and self.launcher.fail_fast:
+        if self.failed and self.fail_fast:
             raise SearchStopped("the search stopped at the first failed trial "
                                 "(hydra.launcher.fail_fast=true); see the failures above")
         if best is None:
@@ -191,25 +194,25 @@ class _Search:
                                 "and the failures above")
         return best
 
-    def _fill(self, pool: sweep_pool.Pool, waiting: sweep_pool.Job | None) -> sweep_pool.Job | None:
+    def _fill(self, driver: sweep_driver.Driver, waiting: Job | None) -> Job | None:
         """Start trials while a slot is free and trials remain; return the job that waits
         for its GPUs, if one does. A trial is asked only when a slot is free for it, so that
         its time in the study is its time on a slot."""
-        while not pool.stopped and not (self.failed and self.launcher.fail_fast):
+        while not driver.stopped and not (self.failed and self.fail_fast):
             if waiting is None:
-                waiting = self._next() if pool.free else None
+                waiting = self._next() if driver.free else None
                 if waiting is None:
                     break
                 if waiting.ret is not None:  # could not compose, or done before
-                    self._tell(waiting, pool)
+                    self._tell(waiting, driver)
                     waiting = None
                     continue
-            if not pool.start(waiting):
+            if not driver.start(waiting):
                 break
             waiting = None
         return waiting
 
-    def _next(self) -> sweep_pool.Job | None:
+    def _next(self) -> Job | None:
         """The next trial's job: one cut off before first, then newly asked ones until the
         study holds ``n_trials``; None when none is left."""
         if self.cut_off:
@@ -219,11 +222,11 @@ class _Search:
             return self._job(self.study.ask(self.space))
         return None
 
-    def _job(self, trial: Any) -> sweep_pool.Job:
+    def _job(self, trial: Any) -> Job:
         """The job of ``trial`` (asked now, or cut off before): its parameters as overrides
         after the fixed ones, job number and dir = the trial's number."""
         overrides = self.fixed + sweep_space.as_overrides(trial.params)
-        job = sweep_pool.prepare(self.launcher, overrides, trial.number, self.sweep_dir)
+        job = sweep_driver.prepare(self.launcher, overrides, trial.number, self.sweep_dir)
         job.env = pruning.trial_env(str(self.sweep_dir / JOURNAL), self.study.study_name,
                                     trial._trial_id, self.sweeper.pruner)
         self.jobs.append(job)
@@ -234,13 +237,13 @@ class _Search:
         return job
 
     # ------------------------------------------------------------------ tell
-    def _tell(self, job: sweep_pool.Job, pool: sweep_pool.Pool) -> None:
+    def _tell(self, job: Job, driver: sweep_driver.Driver) -> None:
         """Tell the study how ``job``'s trial ended (see the module docstring)."""
         ret = job.ret
         assert ret is not None
         status = _metrics(job).get("status")
         if ret.status != JobStatus.COMPLETED:
-            if pool.stopped:
+            if driver.stopped:
                 return  # cut off: RUNNING in the study, resumed by resume=auto
             self.failed = True
             self._tell_state(job.idx, "fail", job_error(ret))
@@ -293,5 +296,5 @@ class _Search:
         return {"number": best.number, "params": dict(best.params), "value": best.value}
 
 
-def _metrics(job: sweep_pool.Job) -> dict:
+def _metrics(job: Job) -> dict:
     return read_metrics_or_empty(job.dir) if job.dir is not None else {}

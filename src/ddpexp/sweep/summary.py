@@ -1,6 +1,6 @@
-"""The ddp launcher's sweep table: ``summary.csv`` and ``summary.md`` (and ``summary_by_seed.*``
-where the sweep varies ``seed``) in the sweep dir, one row per job, read from what each job
-left on disk (:mod:`ddpexp.report`) and completed with what the launcher knows of jobs that
+"""The sweep driver's table (:mod:`ddpexp.sweep.driver`, on any backend): ``summary.csv``
+and ``summary.md`` (and ``summary_by_seed.*`` where the sweep varies ``seed``) in the sweep
+dir, one row per job, read from what each job left on disk (:mod:`ddpexp.report`) and completed with what the driver knows of jobs that
 left nothing (refused, killed, not run); then the jobs that failed, each with its cause.
 Under other launchers (Hydra's ``basic``, ``submitit_*``) :class:`ddpexp.report.SweepSummary`,
 a Hydra callback, writes the same files."""

@@ -1,13 +1,18 @@
 """The Hydra ``Launcher`` class: stores its config in ``setup()`` and leaves the work to
-:mod:`ddpexp.sweep.pool`, imported inside ``launch()``, so that importing the plugin (which
-Hydra does at every start of every app) imports neither torch nor anything heavy."""
+:mod:`ddpexp.sweep.driver` on the local backend (:mod:`ddpexp.sweep.local`), both imported
+inside its methods, so that importing the plugin (which Hydra does at every start of every
+app) imports neither torch nor anything heavy."""
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from hydra.core.utils import JobReturn
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig
+
+if TYPE_CHECKING:
+    from ddpexp.sweep.backend import Backend
 
 
 class DdpLauncher(Launcher):
@@ -39,7 +44,14 @@ class DdpLauncher(Launcher):
         self.hydra_context = hydra_context
         self.task_function = task_function
 
-    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from ddpexp.sweep import pool
+    def backend(self) -> "Backend":
+        """Where the jobs run: as processes on this machine's slices (a new backend per
+        call; the driver and the ``optuna_async`` search ask for one)."""
+        from ddpexp.sweep.local import LocalBackend
 
-        return pool.launch(self, job_overrides=job_overrides, initial_job_idx=initial_job_idx)
+        return LocalBackend(self)
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from ddpexp.sweep import driver
+
+        return driver.launch(self, job_overrides=job_overrides, initial_job_idx=initial_job_idx)

@@ -1,0 +1,193 @@
+"""The sweep driver's own logic (ddpexp.sweep.driver), which every backend shares: results in
+order, fail_fast, resume=auto, time limits and the summary. The jobs are real Hydra jobs of a
+tiny app, run in this process one at a time by a backend of this module."""
+
+from __future__ import annotations
+
+import csv
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hydra import initialize_config_dir
+from hydra._internal.callbacks import Callbacks
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobStatus, run_job
+from hydra.types import HydraContext, RunMode
+
+from ddpexp.record import write_metrics
+from ddpexp.sweep import driver
+from ddpexp.sweep.backend import Backend, Ended, Job, JobFailed, JobSkipped
+
+CONFIG = """\
+x: 0
+fail: false
+hang: false
+resume: null
+hydra:
+  sweep:
+    subdir: ${hydra.job.num}
+"""
+
+
+def task(cfg: Any) -> float:
+    """The app: fails when told to; else records a completed run whose best val/acc is x/10."""
+    if cfg.fail:
+        raise ValueError(f"x={cfg.x} is bad")
+    value = cfg.x / 10
+    write_metrics(Path(HydraConfig.get().runtime.output_dir),
+                  {"status": "completed", "monitor": "val/acc", "best": {"val/acc": value}})
+    return value
+
+
+class InlineBackend(Backend):
+    """One job at a time, run in this process by ``wait()``; a job of ``hang=true`` runs
+    until it is forced to stop (it ignores the first, graceful stop)."""
+
+    def __init__(self, launcher: Any) -> None:
+        self.launcher = launcher
+        self.job: Job | None = None
+        self.started: list[int] = []
+        self.stops: list[tuple[int, bool]] = []
+
+    def describe(self) -> str:
+        return "one job at a time, in this process"
+
+    @property
+    def free(self) -> int:
+        return 0 if self.job else 1
+
+    def start(self, job: Job) -> bool:
+        if self.job is not None:
+            return False
+        self.job, job.started = job, time.time()
+        self.started.append(job.idx)
+        return True
+
+    def wait(self, timeout: float) -> list[Ended]:
+        job = self.job
+        assert job is not None and job.config is not None
+        if job.config.hang:
+            if (job.idx, True) not in self.stops:
+                return []
+            self.job = None
+            return [Ended(job, None, "it ended when forced to", "SIGKILL")]
+        self.job = None
+        ret = run_job(hydra_context=self.launcher.hydra_context, task_function=task,
+                      config=job.config, job_dir_key="hydra.sweep.dir",
+                      job_subdir_key="hydra.sweep.subdir")
+        return [Ended(job, ret)]
+
+    def stop(self, job: Job, force: bool = False) -> None:
+        self.stops.append((job.idx, force))
+
+
+class InlineLauncher:
+    """What the driver reads of a launcher, set up as Hydra sets up one."""
+
+    def __init__(self, config_dir: Path, sweep_dir: Path, **keys: Any) -> None:
+        self.fail_fast = keys.get("fail_fast", False)
+        self.timeout_s = keys.get("timeout_s")
+        self.kill_grace_s = keys.get("kill_grace_s", 30.0)
+        self.outcomes: dict = {}
+        self.task_function = task
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(str(config_dir), version_base="1.3"):
+            loader = GlobalHydra.instance().config_loader()
+            self.config = loader.load_configuration("config", [f"hydra.sweep.dir={sweep_dir}"],
+                                                    run_mode=RunMode.MULTIRUN)
+        self.hydra_context = HydraContext(config_loader=loader, callbacks=Callbacks(self.config))
+        self.backends: list[InlineBackend] = []
+
+    def backend(self) -> InlineBackend:
+        self.backends.append(InlineBackend(self))
+        return self.backends[-1]
+
+    def launch(self, overrides: list[list[str]]) -> list:
+        return list(driver.launch(self, overrides, initial_job_idx=0))
+
+
+@pytest.fixture
+def app(tmp_path: Path):
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "config.yaml").write_text(CONFIG)
+    return lambda sweep="sweep", **keys: InlineLauncher(tmp_path / "conf", tmp_path / sweep, **keys)
+
+
+def _rows(sweep_dir: Path) -> dict[str, dict]:
+    with open(sweep_dir / "summary.csv", newline="") as f:
+        return {r["job"]: r for r in csv.DictReader(f)}
+
+
+def test_every_job_runs_and_returns_in_order_and_the_summary_has_a_row_each(app, tmp_path):
+    launcher = app()
+    rets = launcher.launch([["x=1"], ["x=2"], ["x=3"]])
+    assert [r.status for r in rets] == [JobStatus.COMPLETED] * 3
+    assert [r.return_value for r in rets] == [0.1, 0.2, 0.3]
+    rows = _rows(tmp_path / "sweep")
+    assert sorted(rows) == ["0", "1", "2"] and {r["status"] for r in rows.values()} == {"completed"}
+    assert rows["1"]["overrides"] == "x=2"
+
+
+def test_a_failed_job_fails_alone_unless_fail_fast(app, tmp_path, capsys):
+    overrides = [["x=1"], ["x=2", "fail=true"], ["x=3"]]
+    launcher = app()
+    rets = launcher.launch(overrides)
+    assert [r.status for r in rets] == [JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.COMPLETED]
+    assert launcher.backends[0].started == [0, 1, 2]
+    error = rets[1]._return_value
+    # The job's own exception, wrapped to point at its log rather than re-raised here.
+    assert isinstance(error, JobFailed) and "job 1 failed with ValueError: x=2 is bad" in str(error)
+    assert isinstance(error.original, ValueError)
+
+    launcher = app(sweep="fail_fast", fail_fast=True)
+    capsys.readouterr()
+    rets = launcher.launch(overrides)
+    assert launcher.backends[0].started == [0, 1]
+    assert isinstance(rets[2]._return_value, JobSkipped)
+    assert "an earlier job failed and hydra.launcher.fail_fast=true" in str(rets[2]._return_value)
+    rows = _rows(tmp_path / "fail_fast")
+    assert [rows[k]["status"] for k in "012"] == ["completed", "failed", "not run"]
+    said = "".join(capsys.readouterr())
+    assert "1 of 3 job(s) failed" in said and "1 of 3 job(s) not run" in said
+
+
+def test_resume_auto_skips_completed_jobs_and_refuses_another_sweeps_dir(app):
+    first = app()
+    first.launch([["x=1", "resume=auto"], ["x=2", "resume=auto"]])
+    again = app()
+    rets = again.launch([["x=1", "resume=auto"], ["x=2", "resume=auto"]])
+    assert again.backends[0].started == []  # both completed before: their stored metric
+    assert [r.return_value for r in rets] == [0.1, 0.2]
+    other = app()
+    rets = other.launch([["x=5", "resume=auto"], ["x=2", "resume=auto"]])
+    assert other.backends[0].started == []
+    assert rets[0].status == JobStatus.FAILED and "holds a run with overrides x=1, not x=5" in \
+        str(rets[0]._return_value)
+    assert rets[1].return_value == 0.2
+
+
+def test_a_job_over_timeout_s_is_stopped_then_forced(app, tmp_path):
+    launcher = app(timeout_s=0, kill_grace_s=0)
+    (ret,) = launcher.launch([["hang=true"]])
+    assert launcher.backends[0].stops[:2] == [(0, False), (0, True)]
+    assert ret.status == JobStatus.FAILED
+    assert str(ret._return_value) == ("job 0: it ended when forced to after running over "
+                                      "hydra.launcher.timeout_s")
+    assert _rows(tmp_path / "sweep")["0"]["status"] == "failed"
+
+
+@pytest.mark.parametrize("target,drives", [
+    ("hydra_plugins.ddpexp_launcher.ddp_launcher.DdpLauncher", True),
+    ("hydra._internal.core_plugins.basic_launcher.BasicLauncher", False),
+    ("no_such_package.Launcher", False),
+    (None, False),
+])
+def test_the_summary_callback_leaves_the_table_to_launchers_the_driver_runs(target, drives):
+    """Under a launcher that offers a backend the driver writes the table; under any other
+    (Hydra's basic, submitit) ddpexp's SweepSummary callback does."""
+    from ddpexp import report
+
+    assert report._drives_its_sweep(target) is drives
