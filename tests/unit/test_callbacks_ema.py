@@ -119,3 +119,108 @@ def test_resume_restores_average(trainer_factory):
         assert torch.equal(v, saved["model"][k]), k
     for k, v in second.module.state_dict().items():  # the trained weights continue
         assert torch.equal(v, saved["raw_model"][k]), k
+
+
+# ------------------------------------------------------------------ over training steps
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _train(model: nn.Module, steps: int, ema: WeightAverage | None = None, seed: int = 1) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(16, 4, generator=gen)
+        y = torch.randint(0, 3, (16,), generator=gen)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if ema is not None:
+            ema.update()
+
+
+def test_ema_is_the_moving_average_and_copies_buffers():
+    model = _net()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    ema = WeightAverage(model, decay=0.9)
+    expected = {k: v.clone() for k, v in start.items()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(5):
+        nn.functional.cross_entropy(model(torch.randn(16, 4)), torch.randint(0, 3, (16,))).backward()
+        opt.step()
+        opt.zero_grad()
+        ema.update()
+        for name, value in model.state_dict().items():
+            if name.endswith(("weight", "bias")):
+                expected[name] = 0.9 * expected[name] + 0.1 * value
+    avg = ema.averaged()
+    assert avg.keys() == model.state_dict().keys()
+    for name, value in model.state_dict().items():
+        if name.endswith(("weight", "bias")):
+            torch.testing.assert_close(avg[name], expected[name])
+        else:  # running_mean, running_var, num_batches_tracked: copied
+            assert torch.equal(avg[name], value), name
+    assert avg["1.num_batches_tracked"].item() == 5
+    assert not torch.equal(avg["3.weight"], model[3].weight)  # averaged, not the live weights
+    assert ema.updates == 5
+
+
+def test_ema_decay_zero_is_exactly_the_live_weights():
+    plain, averaged = _net(), _net()
+    ema = WeightAverage(averaged, decay=0.0)
+    _train(plain, 7)
+    _train(averaged, 7, ema)
+    for name, value in plain.state_dict().items():
+        assert torch.equal(ema.averaged()[name], value), name
+        assert torch.equal(averaged.state_dict()[name], value), name
+
+
+def test_ema_applied_swaps_in_and_back_and_loads_into_a_fresh_model():
+    model = _net()
+    ema = WeightAverage(model, decay=0.8)
+    _train(model, 4, ema)
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(5, 4)
+    fresh = _net()
+    fresh.load_state_dict(ema.averaged())  # the averaged weights are a plain state dict
+    fresh.eval()
+    model.eval()
+    with ema.applied():
+        assert torch.equal(model(x), fresh(x))
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, trained[name]), f"{name} not restored"
+    with pytest.raises(RuntimeError, match="boom"):
+        with ema.applied():
+            raise RuntimeError("boom")
+    assert torch.equal(model.state_dict()["0.weight"], trained["0.weight"])
+
+
+def test_ema_state_dict_resumes_exactly():
+    """Train 6 steps in one go, or 3, save, restore into fresh objects and 3 more: the
+    same average bit for bit."""
+    whole = _net()
+    ema_whole = WeightAverage(whole, 0.95)
+    _train(whole, 3, ema_whole, seed=1)
+    _train(whole, 3, ema_whole, seed=2)
+
+    first = _net()
+    ema_first = WeightAverage(first, 0.95)
+    _train(first, 3, ema_first, seed=1)
+    saved_model = {k: v.clone() for k, v in first.state_dict().items()}
+    saved_ema = {**ema_first.state_dict(),
+                 "averaged": {k: v.clone() for k, v in ema_first.state_dict()["averaged"].items()}}
+    second = _net()
+    second.load_state_dict(saved_model)
+    ema_second = WeightAverage(second, 0.95)
+    ema_second.load_state_dict(saved_ema)
+    assert ema_second.updates == 3
+    _train(second, 3, ema_second, seed=2)
+    for name, value in ema_whole.averaged().items():
+        assert torch.equal(ema_second.averaged()[name], value), name
+
+
+@pytest.mark.parametrize("decay", [1.0, -0.1, 1.5])
+def test_ema_decay_out_of_range_is_refused(decay):
+    with pytest.raises(ConfigError, match=r"trainer.ema_decay=.* must be in \[0, 1\)"):
+        EMA(decay=decay)  # the callback, as callbacks.ema and trainer.ema_decay build it

@@ -87,3 +87,16 @@ def test_reconcile_drops_missing_and_names_strays(tmp_path, caplog):
     assert [e["name"] for e in k.kept] == [kept]
     assert f"{gone} no longer on disk" in caplog.text
     assert k.reconcile(tmp_path / "absent") == []
+
+
+def test_topk_min_mode_and_a_smaller_k_after_resume():
+    top = TopK(3, "val/loss", "min")
+    for epoch, value in enumerate([0.9, 0.3, 0.5]):
+        top.offer(value, epoch)
+    state = top.state_dict()
+    fewer = TopK(1, "val/loss", "min")
+    fewer.load_state_dict(state)
+    name, dropped = fewer.offer(0.4, 3)
+    assert name is None
+    assert dropped == ["epoch002-val_loss-0.5.pt", "epoch000-val_loss-0.9.pt"]
+    assert [e["value"] for e in fewer.kept] == [0.3]

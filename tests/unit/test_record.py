@@ -5,6 +5,7 @@ that counts from when the launcher started the job."""
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -64,3 +65,26 @@ def test_the_wall_time_counts_from_the_launchers_start(tmp_path: Path, monkeypat
     assert 5.0 <= record.read_metrics(tmp_path)["wall_time_s"] < 60 and result["wall_time_s"] >= 5.0
     monkeypatch.delenv(record.JOB_STARTED_ENV)
     assert abs(record.run_started() - time.time()) < 1.0
+
+
+def test_a_start_time_that_is_no_number_counts_from_now(monkeypatch) -> None:
+    monkeypatch.setenv(record.JOB_STARTED_ENV, "123.5")
+    assert record.run_started() == 123.5
+    monkeypatch.setenv(record.JOB_STARTED_ENV, "soon")
+    assert abs(record.run_started() - time.time()) < 5
+
+
+def test_any_exception_is_a_failure_and_an_interrupt_needs_no_record(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    record.write_metrics(tmp_path / "a", {"status": "running", "steps": 4})
+    record.record_failure(tmp_path / "a", RuntimeError("boom"), time.time())
+    saved = record.read_metrics(tmp_path / "a")
+    assert (saved["status"], saved["error"], saved["steps"]) == ("failed", "boom", 4)
+    (tmp_path / "b").mkdir()
+    record.record_failure(tmp_path / "b", RunInterrupted("stopped", signal="SIGINT"), time.time())
+    assert record.read_metrics(tmp_path / "b")["status"] == "interrupted"
+
+
+def test_finished_statuses() -> None:
+    assert record.FINISHED == ("completed", "early_stopped", "stopped")
+    assert json.loads(json.dumps(record._finite((1.0, -math.inf)))) == [1.0, None]

@@ -120,7 +120,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 def derive_seed(base: int, *parts: int) -> int:
     """A well-mixed 63-bit seed from the base seed and e.g. (rank,) or (rank, epoch)."""
     ss = np.random.SeedSequence([base, *parts])
-    return int(ss.generate_state(1, dtype=np.uint64)[0] >> 1)
+    # Shifted as a Python int: numpy 1.x has no uint64 >> int64 (numpy 2 takes the 1 as uint64).
+    return int(ss.generate_state(1, dtype=np.uint64)[0]) >> 1
 
 
 def seed_everything(seed: int) -> None:
