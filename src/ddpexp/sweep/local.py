@@ -248,9 +248,9 @@ class LocalBackend(Backend):
     def prepare(self) -> None:
         """Start the fork server, so that its imports run while the caller prepares the jobs
         (``__enter__`` starts it where the caller did not)."""
-        self.start_server()
+        self._start_server()
 
-    def start_server(self) -> None:
+    def _start_server(self) -> None:
         if self._server is None and not getattr(self.launcher, "fork", True):
             discard_early()  # hydra.launcher.fork=false set in a config file
         elif self._server is None:
@@ -265,7 +265,7 @@ class LocalBackend(Backend):
 
     def __enter__(self) -> LocalBackend:
         self._workdir = Path(tempfile.mkdtemp(prefix="ddp-launcher-"))
-        self.start_server()
+        self._start_server()
         if self._server is not None:
             self._server.wait_ready()
         return self
