@@ -77,7 +77,6 @@ def test_round_trips(tmp_path, spec_of):
 
 def test_a_trainer_key_the_schema_refuses_is_a_config_error(tmp_path):
     plain = _plain()
-    plain["trainer"]["precision"] = "32"
     plain["trainer"]["gpu"] = 4
     with pytest.raises(ConfigError, match="gpu"):
         RunSpec.build(plain, Plan("single", 1, 1, 0), run_dir=tmp_path, log_file=tmp_path / "x.log")
