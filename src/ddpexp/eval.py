@@ -99,8 +99,8 @@ def evaluate(run_dir: Path, checkpoint: Path, overrides: Sequence[str] = ()) -> 
     into ``run_dir``."""
     from omegaconf import OmegaConf
 
+    from ddpexp.config.spec import RunSpec
     from ddpexp.launch.fanout import dispatch, plan_run
-    from ddpexp.launch.worker import WorkerPayload
 
     sharded = ckpt_io.is_sharded(checkpoint)
     if not checkpoint.is_file() and not sharded:
@@ -116,10 +116,9 @@ def evaluate(run_dir: Path, checkpoint: Path, overrides: Sequence[str] = ()) -> 
     config, split = apply_overrides(state["config"], overrides)
     del state
     plan = plan_run(OmegaConf.create(config["trainer"]))
-    config["trainer"].update(strategy=plan.strategy, procs=plan.procs)
-    payload = WorkerPayload(config=config, run_dir=str(run_dir), log_file=str(run_dir / "eval.log"),
-                            eval_checkpoint=str(checkpoint.absolute()), eval_split=split)
-    result = dispatch(plan, OmegaConf.create(config), payload)
+    spec = RunSpec.build(config, plan, run_dir=run_dir, log_file=run_dir / "eval.log",
+                         eval_checkpoint=checkpoint.absolute(), eval_split=split)
+    result = dispatch(spec)
     if result is None:
         raise CheckpointError(f"checkpoint {checkpoint} vanished before it was read")
     record = {
@@ -129,7 +128,7 @@ def evaluate(run_dir: Path, checkpoint: Path, overrides: Sequence[str] = ()) -> 
         "samples": result["samples"],
         "world_size": plan.world_size,
         # None: the whole split (see apply_overrides)
-        "limit_val_batches": config["trainer"].get("limit_val_batches"),
+        "limit_val_batches": spec.trainer.limit_val_batches,
         "overrides": list(overrides),
         "metrics": result["metrics"],
     }

@@ -33,7 +33,7 @@ def test_resolve_from_task_defaults():
 def test_resolve_given_monitor():
     assert monitor.resolve_monitor("ddpexp.task.Classification", "val/loss") == ("val/loss", "min")
     assert monitor.resolve_monitor("ddpexp.task.Classification", "val/acc") == ("val/acc", "max")
-    assert monitor.resolve_monitor("no.such.Task", "val/x", schema.MonitorMode.max) == ("val/x", "max")
+    assert monitor.resolve_monitor("no.such.Task", "val/x", "max") == ("val/x", "max")
     assert monitor.resolve_monitor("ddpexp.task.Regression", None, "max") == ("val/mse", "max")
 
 
@@ -42,11 +42,12 @@ def test_resolve_unimportable_task():
         monitor.resolve_monitor("no.such.Task")
 
 
-def test_fill_monitor():
+def test_with_monitor_fills_a_copy():
     config = {"task": {"_target_": "ddpexp.task.Classification"},
               "trainer": {"monitor": None, "monitor_mode": None}}
-    monitor.fill_monitor(config)
-    assert config["trainer"] == {"monitor": "val/acc", "monitor_mode": "max"}
+    filled = monitor.with_monitor(config)
+    assert filled["trainer"] == {"monitor": "val/acc", "monitor_mode": "max"}
+    assert config["trainer"] == {"monitor": None, "monitor_mode": None}
 
 
 def test_trainer_config_typed():

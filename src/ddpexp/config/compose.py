@@ -9,7 +9,7 @@ from hydra.core.singleton import Singleton
 from hydra.version import VersionBase
 from omegaconf import DictConfig, open_dict
 
-from ddpexp.config.monitor import fill_monitor
+from ddpexp.config.monitor import with_monitor
 from ddpexp.config.schema import register_configs, to_plain
 
 
@@ -44,5 +44,4 @@ def compose_single_process(overrides: list[str], config_dir: Path | None = None)
         cfg.pop("hydra", None)
     plain = to_plain(cfg)
     plain["trainer"]["strategy"] = "single"
-    fill_monitor(plain)
-    return plain
+    return with_monitor(plain)

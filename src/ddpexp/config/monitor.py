@@ -8,6 +8,7 @@ direction.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ddpexp.errors import ConfigError
@@ -21,12 +22,10 @@ _LARGER_IS_BETTER = ("acc", "f1", "auc", "auroc", "precision", "recall", "score"
 
 
 def resolve_monitor(task_target: str, monitor: str | None = None,
-                    mode: Any = None) -> tuple[str, str]:
+                    mode: str | None = None) -> tuple[str, str]:
     """``(monitor, mode)`` of a run of the task class ``task_target``: ``monitor`` and
-    ``mode`` (``"max"``/``"min"`` or a ``MonitorMode``) where given, else the task's class
-    attributes; the mode of a monitor of the user's own choice is guessed from its name
-    (:func:`guess_mode`)."""
-    mode = getattr(mode, "value", mode)
+    ``mode`` (``"max"``/``"min"``) where given, else the task's class attributes; the mode
+    of a monitor of the user's own choice is guessed from its name (:func:`guess_mode`)."""
     if monitor is not None and mode is not None:
         return str(monitor), str(mode)
     task_monitor, task_mode = task_defaults(task_target)
@@ -52,12 +51,14 @@ def task_defaults(target: str) -> tuple[str, str]:
     return monitor, mode
 
 
-def fill_monitor(config: dict) -> None:
-    """Fill ``trainer.monitor``/``monitor_mode`` of a resolved config (plain Python, as workers
-    receive it) where they are null, as :func:`resolve_monitor` says."""
+def with_monitor(config: Mapping[str, Any]) -> dict:
+    """A resolved config (plain Python, as workers receive it) with ``trainer.monitor`` and
+    ``monitor_mode`` filled in where they are null, as :func:`resolve_monitor` says; the
+    config given is left as it is."""
     t = config["trainer"]
-    t["monitor"], t["monitor_mode"] = resolve_monitor(config["task"]["_target_"], t.get("monitor"),
-                                                      t.get("monitor_mode"))
+    monitor, mode = resolve_monitor(config["task"]["_target_"], t.get("monitor"),
+                                    t.get("monitor_mode"))
+    return {**config, "trainer": {**t, "monitor": monitor, "monitor_mode": mode}}
 
 
 def guess_mode(monitor: str) -> str:

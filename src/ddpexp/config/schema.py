@@ -160,13 +160,14 @@ def register_configs() -> None:
 
 
 def trainer_config(node: Any) -> TrainerConfig:
-    """The ``trainer`` node (a DictConfig or the plain dict workers receive) as the typed
-    :class:`TrainerConfig`, enums and all."""
+    """The ``trainer`` node (a DictConfig or a resolved plain dict) as the typed
+    :class:`TrainerConfig`, enums and all; a key or value the schema does not allow is
+    refused (omegaconf's ``ConfigKeyError``, ``ValidationError``)."""
     merged = OmegaConf.merge(OmegaConf.structured(TrainerConfig), node)
     return OmegaConf.to_object(merged)  # pyright: ignore[reportReturnType]  # a structured TrainerConfig node converts to that dataclass
 
 
 def to_plain(cfg: DictConfig) -> dict:
-    """The fully resolved config as plain Python (enums as strings): what workers receive
-    and what checkpoints store."""
+    """The fully resolved config as plain Python (enums as strings): what a
+    :class:`~ddpexp.config.spec.RunSpec` holds for workers and what checkpoints store."""
     return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # pyright: ignore[reportReturnType]  # the root node is a dict

@@ -3,11 +3,13 @@
 This is the one path every run takes, with or without ``-m``: the task function calls
 :func:`run`, which runs the worker in this process (one worker, no restarts), hands the
 workers to torch elastic's agent (several workers, restarts, several nodes), or becomes one rank
-of a SLURM job step. Workers receive the resolved config and the run dir chosen here.
+of a SLURM job step. Workers receive one :class:`~ddpexp.config.spec.RunSpec`, built here: the
+resolved config, typed, the layout and the run dir chosen here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -15,7 +17,6 @@ import signal
 import sys
 import tempfile
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -26,8 +27,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ddpexp.config.cli import continue_sweep, env_flag, resume_command
-from ddpexp.config.monitor import fill_monitor
 from ddpexp.config.schema import to_plain
+from ddpexp.config.spec import Plan, RunSpec
 from ddpexp.config.validate import validate
 from ddpexp.errors import ConfigError, DdpexpError, RunDiverged, RunFailed, RunInterrupted
 from ddpexp.launch import ranks
@@ -40,20 +41,6 @@ from ddpexp.runtime.signals import stop_signals
 from ddpexp.strategies import registry
 
 log = logging.getLogger("ddpexp")
-
-
-@dataclass(frozen=True)
-class Plan:
-    """How a run is laid out: the strategy and the workers per node and in all."""
-
-    strategy: Any  # trainer.strategy with auto resolved: a name, a class path or a _target_ node
-    procs: int
-    nodes: int
-    gpus: int
-
-    @property
-    def world_size(self) -> int:
-        return self.procs * self.nodes
 
 
 def plan_run(trainer: Any, visible_gpus: int | None = None) -> Plan:
@@ -121,13 +108,11 @@ def overrides_as_hparams(overrides: list[str]) -> dict[str, Any]:
     return out
 
 
-def _prepare(cfg: DictConfig, hydra_cfg: Any, run_dir: Path,
-             world: World | None) -> tuple[Plan, Any, Path | None]:
-    """Check the run and lay it out: its plan, the workers' payload and the checkpoint it
-    resumes from (None: a fresh start). Raises the DdpexpError that refuses it."""
+def _prepare(cfg: DictConfig, hydra_cfg: Any, run_dir: Path, world: World | None) -> RunSpec:
+    """Check the run and lay it out: the spec the workers get, with the checkpoint it resumes
+    from (None: a fresh start). Raises the DdpexpError that refuses it."""
     # torch and the trainer: imported by a run, not by every importer of this module.
     from ddpexp.checkpoint import io as checkpoint
-    from ddpexp.launch.worker import WorkerPayload
 
     validate(cfg)
     plan = world_plan(cfg.trainer, world) if world is not None else plan_run(cfg.trainer)
@@ -136,9 +121,9 @@ def _prepare(cfg: DictConfig, hydra_cfg: Any, run_dir: Path,
         plain = to_plain(cfg)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"the config does not resolve: {exc}") from None
-    plain["trainer"].update(strategy=plan.strategy, procs=plan.procs)
     check_parts(plain, run_dir)
-    fill_monitor(plain)
+    spec = RunSpec.build(plain, plan, run_dir=run_dir, log_file=run_dir / f"{hydra_cfg.job.name}.log",
+                         hparams=overrides_as_hparams(list(hydra_cfg.overrides.task)))
     resume = checkpoint.find(cfg.resume, run_dir, base=Path(hydra_cfg.runtime.cwd))
     if resume is None and cfg.resume is None and under_submitit():
         # A submitit job requeued after SLURM's pre-timeout signal runs again in its own job
@@ -149,14 +134,7 @@ def _prepare(cfg: DictConfig, hydra_cfg: Any, run_dir: Path,
             resume = last
     if resume is not None:
         checkpoint.verify(resume)
-    payload = WorkerPayload(
-        config=plain,
-        run_dir=str(run_dir),
-        log_file=str(run_dir / f"{hydra_cfg.job.name}.log"),
-        resume_from=str(resume) if resume else None,
-        hparams=overrides_as_hparams(list(hydra_cfg.overrides.task)),
-    )
-    return plan, payload, resume
+    return dataclasses.replace(spec, resume_from=resume)
 
 
 def _record_refusal(cfg: DictConfig, run_dir: Path, exc: BaseException) -> None:
@@ -188,20 +166,21 @@ def run(cfg: DictConfig) -> float | None:
         # A task of a submitit job with several tasks runs this too; rank 0 speaks for all.
         log.setLevel(logging.WARNING)
     try:
-        plan, payload, resume = _prepare(cfg, hydra_cfg, run_dir, world)
+        spec = _prepare(cfg, hydra_cfg, run_dir, world)
     except DdpexpError as exc:
         if hydra_cfg.mode == RunMode.MULTIRUN and (world is None or world.rank == 0):
             _record_refusal(cfg, run_dir, exc)
         raise
+    plan = spec.plan
     log.info("run dir: %s", run_dir)
     log.info("%d worker(s)%s: strategy=%s, %s", plan.world_size,
              f" ({world.label})" if world is not None else "", registry.label(plan.strategy),
              f"{plan.gpus} GPU(s) per node" if plan.gpus else "CPU")
-    if resume is None and cfg.resume == "auto":
+    if spec.resume_from is None and spec.config["resume"] == "auto":
         log.info("resume=auto: no checkpoint in %s, starting from scratch", run_dir / "checkpoints")
     preempt = Preemption()
     try:
-        result = dispatch(plan, cfg, payload)
+        result = dispatch(spec)
     except RunInterrupted as exc:
         record_failure(run_dir, exc, started)
         preempt.requeue(exc.signal)
@@ -275,8 +254,8 @@ class Preemption:
             handler(getattr(signal, signal_name), None)
 
 
-def dispatch(plan: Plan, cfg: DictConfig, payload: Any) -> dict | None:
-    """Run ``payload`` as ``plan`` says: in this process, under torch elastic, or as this
+def dispatch(spec: RunSpec) -> dict | None:
+    """Run ``spec`` as its plan says: in this process, under torch elastic, or as this
     SLURM task's rank; global rank 0 gets the worker's result. Training runs and
     ``ddpexp.eval`` both come through here."""
     from ddpexp.launch.worker import run_worker
@@ -285,20 +264,19 @@ def dispatch(plan: Plan, cfg: DictConfig, payload: Any) -> dict | None:
     if world is not None:
         step = ranks.current(world)
         if step.rank == 0:
-            step.publish(payload)
+            step.publish(spec)
             if world.launcher == "torchrun":
-                step.remember_run_dir(payload.run_dir)
-        return ranks.run_rank(step, payload)
-    if plan.world_size == 1 and cfg.trainer.max_restarts == 0:
-        payload.in_process = True
+                step.remember_run_dir(str(spec.run_dir))
+        return ranks.run_rank(step, spec)
+    if spec.plan.world_size == 1 and spec.trainer.max_restarts == 0:
         # No elastic agent: this process is the worker, so it takes SIGTERM/SIGINT itself.
         try:
-            return run_worker.__wrapped__(payload)
+            return run_worker.__wrapped__(dataclasses.replace(spec, in_process=True))
         except DdpexpError:
             raise
         except Exception as exc:  # what the agent reports of a failed worker, said the same way
             raise RunFailed(describe_own_failure(exc)) from exc
-    return _elastic(plan, cfg, payload)
+    return _elastic(spec)
 
 
 def world_plan(trainer: Any, world: World) -> Plan:
@@ -343,7 +321,7 @@ def _per_node_flag(world: World, n: int) -> str:
             "mpi": f"mpirun --npernode {n}"}.get(world.launcher, f"LOCAL_WORLD_SIZE={n}")
 
 
-def _elastic(plan: Plan, cfg: DictConfig, payload: Any) -> dict | None:
+def _elastic(spec: RunSpec) -> dict | None:
     """Start the workers under torch elastic's agent and wait for them.
 
     One node: a c10d rendezvous on a loopback port picked now (a concrete port, so restart
@@ -357,7 +335,7 @@ def _elastic(plan: Plan, cfg: DictConfig, payload: Any) -> dict | None:
     from ddpexp.launch.worker import EXIT_INTERRUPTED, run_worker
     from ddpexp.runtime.dist import free_port
 
-    t = cfg.trainer
+    plan, t = spec.plan, spec.trainer
     # torch elastic keeps its per-run error files here; removed when the run ends (left to
     # itself it leaves an empty /tmp/torchelastic_* dir behind per run).
     elastic_dir = Path(tempfile.mkdtemp(prefix="ddpexp-elastic-"))
@@ -404,22 +382,23 @@ def _elastic(plan: Plan, cfg: DictConfig, payload: Any) -> dict | None:
     )
     # The agent replaces these handlers and never puts them back.
     saved = {sig: signal.getsignal(sig) for sig in (*stop_signals(), signal.SIGHUP, signal.SIGQUIT)}
-    watchdog = Watchdog(plan.procs, float(t.dist_timeout_s), payload.log_file)
+    log_file = str(spec.log_file)
+    watchdog = Watchdog(plan.procs, float(t.dist_timeout_s), log_file)
     oom_before = oom_kills()
     try:
         with watchdog:
-            results = elastic_launch(config, run_worker)(payload)
+            results = elastic_launch(config, run_worker)(spec)
     except ChildFailedError as exc:
         if watchdog.message:
             raise RunFailed(watchdog.message) from None
         if all(f.exitcode == EXIT_INTERRUPTED for f in exc.failures.values()):
-            raise RunInterrupted(_resume_hint(Path(payload.run_dir), None)) from None
+            raise RunInterrupted(_resume_hint(spec.run_dir, None)) from None
         raise RunFailed(describe_elastic_failure(
-            exc, oom_before, payload.log_file,
+            exc, oom_before, log_file,
             range(plan.procs) if plan.nodes == 1 else ())) from None
     except SignalException as exc:
         raise RunInterrupted(
-            f"stopped by {exc.sigval.name}; " + _resume_hint(Path(payload.run_dir), None),
+            f"stopped by {exc.sigval.name}; " + _resume_hint(spec.run_dir, None),
             signal=exc.sigval.name,
         ) from None
     finally:

@@ -26,7 +26,6 @@ may keep the others alive (SLURM keeps a step alive until its last task has exit
 
 from __future__ import annotations
 
-import dataclasses
 import faulthandler
 import json
 import logging
@@ -37,13 +36,15 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ddpexp.errors import ConfigError, RunFailed, RunInterrupted
 from ddpexp.launch.failures import describe_step_failure, rank_error
 from ddpexp.launch.world import World, detect
 from ddpexp.record import record_failure
+
+if TYPE_CHECKING:
+    from ddpexp.config.spec import RunSpec
 
 log = logging.getLogger("ddpexp")
 
@@ -153,10 +154,10 @@ class Step:
         return None
 
     # -------------------------------------------------------------- the run's config
-    def publish(self, payload: Any) -> None:
-        """Rank 0: hand the worker payload (resolved config, run dir) to the other tasks, as
+    def publish(self, spec: RunSpec) -> None:
+        """Rank 0: hand the run's spec (resolved config, run dir) to the other tasks, as
         JSON: what arrives over the network is read as data, never unpickled."""
-        self.store.set("payload", json.dumps(dataclasses.asdict(payload)))
+        self.store.set("payload", spec.to_json())
 
     def abort(self, kind: str, message: str = "") -> None:
         """Tell every task to stop: ``kind`` is ``timeout`` (a collective waited too long),
@@ -185,15 +186,15 @@ class Step:
             return {"by": 0, "kind": "error", "message": "rank 0 ended"}
         return None
 
-    def wait_payload(self) -> Any | None:
-        """Other ranks: rank 0's payload, or ``None`` when it aborted the start."""
+    def wait_payload(self) -> RunSpec | None:
+        """Other ranks: rank 0's spec of the run, or ``None`` when it aborted the start."""
         deadline = time.time() + PAYLOAD_TIMEOUT_S
         while time.time() < deadline:
             try:
                 if self.store.check(["payload"]):
-                    from ddpexp.launch.worker import WorkerPayload
+                    from ddpexp.config.spec import RunSpec
 
-                    return WorkerPayload(**json.loads(self.store.get("payload")))
+                    return RunSpec.from_json(self.store.get("payload"))
             except Exception:
                 return None
             if self.aborted() is not None:
@@ -331,11 +332,11 @@ def lead(step: Step, main: Callable[[], Any]) -> None:
 def follow(step: Step) -> int:
     """A task other than rank 0: wait for rank 0's config and run as this rank. Returns the
     exit status; a failure is reported by rank 0, so this task prints nothing of it."""
-    payload = step.wait_payload()
-    if payload is None:
+    spec = step.wait_payload()
+    if spec is None:
         return EXIT_FAILED  # rank 0 said why (a bad override, a run dir already taken)
     try:
-        run_rank(step, payload)
+        run_rank(step, spec)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else EXIT_FAILED
     except BaseException:
@@ -343,17 +344,17 @@ def follow(step: Step) -> int:
     return 0
 
 
-def run_rank(step: Step, payload: Any) -> dict | None:
+def run_rank(step: Step, spec: RunSpec) -> dict | None:
     """Run the worker as this task's rank; a failure is reported to the step, and on global
     rank 0 it becomes one :class:`RunFailed` naming the ranks at fault."""
     from ddpexp.launch.worker import run_worker  # torch and the trainer: only where a rank runs
 
-    timeout_s = float(payload.config["trainer"]["dist_timeout_s"])
+    timeout_s = float(spec.trainer.dist_timeout_s)
     started = time.time()
-    on_stuck = _record_stuck(step, payload, timeout_s, started) if step.rank == 0 else None
-    with Listener(step, payload.log_file, on_stuck):
+    on_stuck = _record_stuck(step, spec, timeout_s, started) if step.rank == 0 else None
+    with Listener(step, str(spec.log_file), on_stuck):
         try:
-            return run_worker.__wrapped__(payload, store=step.store)
+            return run_worker.__wrapped__(spec, store=step.store)
         except RunInterrupted:
             raise
         except BaseException as exc:
@@ -367,8 +368,8 @@ def run_rank(step: Step, payload: Any) -> dict | None:
                 # Rank 0 is gone, and with it the store and the run's writer: the next rank
                 # says what it saw, once.
                 seen = {r: {"pid": os.getpid(), "cause": cause} for r in range(1, step.world)}
-                _tell(payload, describe_step_failure(seen, {}, step.world, timeout_s, payload.log_file,
-                                      step.world_info.whole),
+                _tell(spec, describe_step_failure(seen, {}, step.world, timeout_s,
+                                                  str(spec.log_file), step.world_info.whole),
                       started)
             if step.rank != 0:
                 raise
@@ -376,25 +377,25 @@ def run_rank(step: Step, payload: Any) -> dict | None:
             # them, then SIGKILLs them 30 s later) must not end rank 0 before it has written
             # the run's message and record: the run failed, it was not interrupted.
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            raise RunFailed(step.failure_message(kind, timeout_s, payload.log_file)) from None
+            raise RunFailed(step.failure_message(kind, timeout_s, str(spec.log_file))) from None
 
 
-def _record_stuck(step: Step, payload: Any, timeout_s: float,
+def _record_stuck(step: Step, spec: RunSpec, timeout_s: float,
                   started: float) -> Callable[[str], None]:
     """What global rank 0 does when it is the stuck rank: the record and the message that its
     own failure path would have written (the wall time counted from ``started``)."""
     def record(kind: str) -> None:
-        _tell(payload, step.failure_message(kind, timeout_s, payload.log_file), started)
+        _tell(spec, step.failure_message(kind, timeout_s, str(spec.log_file)), started)
 
     return record
 
 
-def _tell(payload: Any, message: str, started: float) -> None:
+def _tell(spec: RunSpec, message: str, started: float) -> None:
     """The step's failure from a rank other than the usual writer's path: ``metrics.json``
     marked ``failed``, the message in the run's log and, once, on the terminal."""
-    record_failure(Path(payload.run_dir), RunFailed(message), started)
+    record_failure(spec.run_dir, RunFailed(message), started)
     try:
-        with open(payload.log_file, "a") as f:
+        with open(spec.log_file, "a") as f:
             f.write(message + "\n")
     except OSError:
         pass

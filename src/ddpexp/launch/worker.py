@@ -1,7 +1,8 @@
 """What each worker process runs: logging, threads, process group, the trainer, teardown.
 
-A worker gets the resolved config in a :class:`WorkerPayload`; it never re-enters Hydra or
-looks at ``sys.argv``, which is what keeps every rank in the one run dir the parent chose.
+A worker gets the run's :class:`~ddpexp.config.spec.RunSpec` (the resolved config, typed, and
+the run dir the parent chose); it never re-enters Hydra or looks at ``sys.argv``, which is what
+keeps every rank in the one run dir.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import logging
 import os
 import sys
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddpexp.checkpoint.io import newest_last
+from ddpexp.config.spec import RunSpec
 from ddpexp.launch import proc
 from ddpexp.launch.failures import explain_os_error
 from ddpexp.runtime import dist as ddist
@@ -31,21 +32,6 @@ log = logging.getLogger("ddpexp")
 EXIT_INTERRUPTED = 75
 
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s]{rank} - %(message)s"
-
-
-@dataclass
-class WorkerPayload:
-    """Everything a worker needs, picklable: the resolved config and where to write."""
-
-    config: dict
-    run_dir: str
-    log_file: str
-    resume_from: str | None = None
-    hparams: dict = field(default_factory=dict)
-    in_process: bool = False
-    # ddpexp.eval: evaluate this checkpoint on this split instead of training.
-    eval_checkpoint: str | None = None
-    eval_split: str = "test"
 
 
 def setup_logging(rank: int, log_file: str) -> None:
@@ -74,45 +60,44 @@ def set_threads(local_world_size: int) -> None:
 
 
 @record
-def run_worker(payload: WorkerPayload, store: dist.Store | None = None) -> dict | None:
+def run_worker(spec: RunSpec, store: dist.Store | None = None) -> dict | None:
     """Train (or, for ddpexp.eval, evaluate a checkpoint) as one rank; global rank 0 returns
     the run's metrics, the others ``None``. ``store``: one the ranks share already (a SLURM
     step's), for the process group."""
-    cfg = payload.config
-    trainer_cfg = cfg["trainer"]
-    ctx = ddist.context_from_env(trainer_cfg["gpus"])
-    if not payload.in_process:
-        setup_logging(ctx.rank, payload.log_file)
+    trainer_cfg = spec.config["trainer"]
+    ctx = ddist.context_from_env(spec.trainer.gpus)
+    if not spec.in_process:
+        setup_logging(ctx.rank, str(spec.log_file))
     set_threads(ctx.local_world_size)
-    resume_from = payload.resume_from
+    resume_from = spec.resume_from
     if ctx.restart > 0:
-        last = newest_last(Path(payload.run_dir) / "checkpoints")
-        resume_from = str(last) if last is not None else resume_from
+        last = newest_last(spec.run_dir / "checkpoints")
+        resume_from = last if last is not None else resume_from
         if ctx.is_main:
             log.warning("restart %d of the worker group: resuming from %s", ctx.restart,
                         resume_from or "scratch (no checkpoint yet)")
-    ddist.init_process_group(ctx, trainer_cfg["dist_timeout_s"],
+    ddist.init_process_group(ctx, spec.trainer.dist_timeout_s,
                              force=strategy_class(trainer_cfg["strategy"]).spans_processes,
                              store=store)
-    if not payload.in_process:
+    if not spec.in_process:
         # A full disk costs the log its lines, not a "--- Logging error ---" traceback per
         # line (launch.failures.quiet_logging_errors; in process, the run's parent set it).
         logging.raiseExceptions = False
     try:
-        trainer = Trainer.from_config(cfg, ctx, Path(payload.run_dir), payload.hparams)
-        if payload.eval_checkpoint is not None:
-            result = trainer.evaluate_checkpoint(Path(payload.eval_checkpoint), payload.eval_split)
+        trainer = Trainer.from_spec(spec, ctx)
+        if spec.eval_checkpoint is not None:
+            result = trainer.evaluate_checkpoint(spec.eval_checkpoint, spec.eval_split)
             interrupted = False
         else:
-            result = trainer.fit(Path(resume_from) if resume_from else None)
+            result = trainer.fit(resume_from)
             interrupted = result["status"] == "interrupted"
         if interrupted and ctx.world_size > 1:
             dist.barrier()  # rank 0 has written metrics.json: nobody exits before that
     except OSError as exc:  # an unreadable data.root, a full disk: one message, not errno
-        _log_traceback(payload.log_file, ctx.rank)
-        raise explain_os_error(exc, cfg["data"].get("root"), payload.run_dir) from None
+        _log_traceback(spec.log_file, ctx.rank)
+        raise explain_os_error(exc, spec.config["data"].get("root"), str(spec.run_dir)) from None
     except Exception:
-        _log_traceback(payload.log_file, ctx.rank)
+        _log_traceback(spec.log_file, ctx.rank)
         raise
     finally:
         ddist.destroy_process_group()
@@ -123,7 +108,7 @@ def run_worker(payload: WorkerPayload, store: dist.Store | None = None) -> dict 
         # with a code the launcher reads as "interrupted" should the agent not be stopping.
         logging.shutdown()
         raise SystemExit(EXIT_INTERRUPTED)
-    if not payload.in_process and "TORCHELASTIC_RUN_ID" in os.environ:
+    if not spec.in_process and "TORCHELASTIC_RUN_ID" in os.environ:
         # An elastic worker that succeeded: torch elastic hands the result to the agent
         # before the process ends, and the agent then waits for the process to exit, so
         # skipping the interpreter teardown (1-2 s with torch loaded) shortens every run.
@@ -131,7 +116,7 @@ def run_worker(payload: WorkerPayload, store: dist.Store | None = None) -> dict 
     return result if ctx.is_main else None
 
 
-def _log_traceback(log_file: str, rank: int) -> None:
+def _log_traceback(log_file: Path, rank: int) -> None:
     """The full traceback goes to the run's log file; the terminal gets one line per failed
     rank from the parent (and the traceback only with HYDRA_FULL_ERROR=1)."""
     try:

@@ -32,6 +32,7 @@ from omegaconf import OmegaConf
 
 from ddpexp.config.cli import continue_sweep
 from ddpexp.config.monitor import resolve_monitor
+from ddpexp.config.schema import MonitorMode
 from ddpexp.errors import ConfigError
 from ddpexp.record import read_metrics_or_empty
 from ddpexp.sweep import driver as sweep_driver
@@ -77,9 +78,10 @@ def run(sweeper: Any, arguments: list[str]) -> dict | None:
 
 def _monitored(config: Any) -> tuple:
     """``(trainer.monitor, trainer.monitor_mode)``, the task's own where they are null."""
+    mode = OmegaConf.select(config, "trainer.monitor_mode", default=None)
     return resolve_monitor(str(OmegaConf.select(config, "task._target_")),
                            OmegaConf.select(config, "trainer.monitor", default=None),
-                           OmegaConf.select(config, "trainer.monitor_mode", default=None))
+                           None if mode is None else MonitorMode(mode).value)
 
 
 def _direction(sweeper: Any, config: Any) -> Literal["maximize", "minimize"]:

@@ -35,7 +35,8 @@ from ddpexp import strategies
 from ddpexp.callbacks.base import Callback, Dispatch
 from ddpexp.callbacks.checkpoint import ModelCheckpoint
 from ddpexp.callbacks.state import Best, RunState
-from ddpexp.config.schema import TrainerConfig
+from ddpexp.config.schema import TrainerConfig, trainer_config
+from ddpexp.config.spec import RunSpec
 from ddpexp.data.base import DataSource
 from ddpexp.errors import ConfigError
 from ddpexp.loggers import RunInfo, run_name
@@ -124,13 +125,23 @@ class Trainer:
         self.started = time.time()  # set-up done: time/first_step_s counts from here
 
     @classmethod
-    def from_config(cls, config: dict, ctx: DistContext, run_dir: Path,
-                    hparams: dict | None = None) -> Trainer:
+    def from_spec(cls, spec: RunSpec, ctx: DistContext) -> Trainer:
         """Build task, data, model, optimizer, scheduler, callbacks and (on rank 0) loggers
-        from a resolved config (plain Python, as workers receive it); return the trainer."""
+        from the run's spec, as a worker receives it; return the trainer."""
         from ddpexp.training.build import build_parts
 
-        return cls(ctx=ctx, run_dir=run_dir, hparams=hparams, **build_parts(config, ctx))
+        return cls(ctx=ctx, run_dir=spec.run_dir, hparams=spec.hparams,
+                   **build_parts(spec.config, spec.trainer, ctx))
+
+    @classmethod
+    def from_config(cls, config: dict, ctx: DistContext, run_dir: Path,
+                    hparams: dict | None = None) -> Trainer:
+        """:meth:`from_spec` of a resolved plain config alone (its ``trainer`` node typed
+        here), for a trainer built in this process (tests, measurements)."""
+        from ddpexp.training.build import build_parts
+
+        return cls(ctx=ctx, run_dir=run_dir, hparams=hparams,
+                   **build_parts(config, trainer_config(config["trainer"]), ctx))
 
     # ------------------------------------------------------------------ what callbacks use
     # The surface that ddpexp.callbacks.base.Callback documents; the counters are read-only

@@ -1,0 +1,110 @@
+"""What a run's parent hands to its workers: one :class:`RunSpec`, built once.
+
+The parent composes the config with Hydra, checks it and lays the run out; from then on the
+run is this spec. The fan-out, torch elastic's agent, the ranks another launcher started and
+the workers all read it, and no one past the parent sees a ``DictConfig``. It holds the
+resolved config twice over, each form for one kind of reader: ``config``, plain Python with
+enums as strings, for ``hydra.utils.instantiate`` and the checkpoints; ``trainer``, the typed
+:class:`~ddpexp.config.schema.TrainerConfig` (enums as enums), for code. Both say the same,
+since the one is made from the other here.
+
+It travels as a pickle to the workers torch elastic spawns (GPU runs; CPU workers are forked
+and inherit it), and as JSON through the store of the ranks another launcher started, where
+what arrives over the network is read as data (:meth:`RunSpec.to_json`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddpexp.config.monitor import with_monitor
+from ddpexp.config.schema import FSDPConfig, MonitorMode, TrainerConfig, trainer_config
+from ddpexp.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a run is laid out: the strategy and the workers per node and in all."""
+
+    strategy: Any  # trainer.strategy with auto resolved: a name, a class path or a _target_ node
+    procs: int
+    nodes: int
+    gpus: int
+
+    @property
+    def world_size(self) -> int:
+        return self.procs * self.nodes
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a worker needs, decided by the parent: the resolved config (``config``,
+    plain; ``trainer``, typed), the layout, where to write, what to resume from and, for
+    ``ddpexp.eval``, which checkpoint to evaluate on which split instead of training."""
+
+    config: dict
+    trainer: TrainerConfig
+    plan: Plan
+    run_dir: Path
+    log_file: Path
+    resume_from: Path | None = None
+    # The overrides a sweep varies, for TensorBoard's HParams dashboard.
+    hparams: dict = field(default_factory=dict)
+    # The worker runs in the parent's own process (one worker, no restarts).
+    in_process: bool = False
+    eval_checkpoint: Path | None = None
+    eval_split: str = "test"
+
+    @classmethod
+    def build(cls, config: Mapping[str, Any], plan: Plan, run_dir: Path, log_file: Path,
+              **rest: Any) -> RunSpec:
+        """The spec of a run of the resolved plain ``config`` laid out as ``plan``: the
+        layout's strategy and procs written into (a copy of) the config, the task's monitor
+        filled in where the config leaves it null. ``rest``: the other fields."""
+        plain = copy.deepcopy(dict(config))
+        plain["trainer"] = {**plain["trainer"], "strategy": plan.strategy, "procs": plan.procs}
+        plain = with_monitor(plain)
+        try:
+            typed = trainer_config(plain["trainer"])
+        except Exception as exc:  # omegaconf's ValidationError, ConfigKeyError: a bad key
+            raise ConfigError(f"the trainer config is not valid: {exc}") from None
+        return cls(config=plain, trainer=typed, plan=plan, run_dir=Path(run_dir),
+                   log_file=Path(log_file), **rest)
+
+    def to_json(self) -> str:
+        """The spec as JSON (the config as it is, the typed trainer left out: it is made from
+        the config again by :meth:`from_json`)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                  if f.name != "trainer"}
+        fields["plan"] = dataclasses.asdict(self.plan)
+        for name, value in fields.items():
+            if isinstance(value, Path):
+                fields[name] = str(value)
+        return json.dumps(fields)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RunSpec:
+        """The spec :meth:`to_json` wrote."""
+        fields = json.loads(text)
+        for name in ("run_dir", "log_file", "resume_from", "eval_checkpoint"):
+            if fields.get(name) is not None:
+                fields[name] = Path(fields[name])
+        plan = Plan(**fields.pop("plan"))
+        return cls(trainer=_typed_trainer(fields["config"]["trainer"]), plan=plan, **fields)
+
+
+def _typed_trainer(node: Mapping[str, Any]) -> TrainerConfig:
+    """A ``trainer`` node that :meth:`RunSpec.build` typed once already, typed again as it
+    arrives in JSON: the monitor mode from its value, ``fsdp`` as :class:`FSDPConfig` (the
+    strategy is plain data: a name, a class path or a ``_target_`` node)."""
+    values = dict(node)
+    mode = values.get("monitor_mode")
+    values["monitor_mode"] = None if mode is None else MonitorMode(mode)
+    values["fsdp"] = FSDPConfig(**values.get("fsdp", {}))
+    return TrainerConfig(**values)
