@@ -32,8 +32,8 @@ from ddpexp.config.cli import continue_sweep
 from ddpexp.config.monitor import resolve_monitor
 from ddpexp.errors import ConfigError
 from ddpexp.record import read_metrics_or_empty
+from ddpexp.runtime import trial as pruning
 from ddpexp.sweep import pool as sweep_pool
-from ddpexp.sweep import pruning
 from ddpexp.sweep import space as sweep_space
 from ddpexp.sweep.summary import job_error, summarize
 from hydra_plugins.ddpexp_launcher.ddp_launcher import DdpLauncher
