@@ -18,7 +18,7 @@ from optuna.trial import TrialState
 
 from ddpexp.callbacks import pruning as trial_side
 from ddpexp.errors import ConfigError
-from ddpexp.sweep import pruning
+from ddpexp.runtime import trial as pruning
 from ddpexp.sweep import search as _search
 from ddpexp.sweep import space as _space
 

@@ -14,7 +14,7 @@ import yaml
 from helpers import read_metrics, run_cli
 from optuna.trial import TrialState
 
-from ddpexp.sweep import pruning
+from ddpexp.runtime import trial as pruning
 from ddpexp.sweep import search as _search
 
 PLUGINS = str(Path(__file__).parents[1] / "plugins")

@@ -84,7 +84,6 @@ def test_a_trainer_key_the_schema_refuses_is_a_config_error(tmp_path):
 
 def test_build_parts_returns_the_data_keys_and_leaves_its_argument(tmp_path):
     from ddpexp.runtime.dist import DistContext
-
     from ddpexp.training.build import build_parts
 
     text = tmp_path / "input.txt"

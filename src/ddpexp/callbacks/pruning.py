@@ -3,7 +3,7 @@
 The asynchronous Optuna sweeper (``hydra/sweeper=optuna_async``, :mod:`ddpexp.sweep.search`)
 starts each trial's job with ``DDPEXP_OPTUNA_TRIAL`` in its environment, which every worker of
 the job inherits: a JSON object naming the study's journal file, the study, the trial and the
-pruner (:func:`ddpexp.sweep.pruning.trial_env`). Only in such a run is the callback active:
+pruner (:func:`ddpexp.runtime.trial.trial_env`). Only in such a run is the callback active:
 after each validation global rank 0 reports the monitored value to the study through a
 :class:`Reporter` and asks the pruner; the answer reaches every rank in one small broadcast.
 On a prune this callback asks for the stop (``trainer.request_stop(..., status="pruned")``);
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ddpexp.callbacks.base import Callback, TrainerView
-from ddpexp.sweep.pruning import ENV, build_pruner, journal_storage
+from ddpexp.runtime.trial import ENV, build_pruner, journal_storage
 
 
 class OptunaPruning(Callback):

@@ -35,8 +35,8 @@ from ddpexp.config.monitor import resolve_monitor
 from ddpexp.config.schema import MonitorMode
 from ddpexp.errors import ConfigError
 from ddpexp.record import read_metrics_or_empty
+from ddpexp.runtime import trial as pruning
 from ddpexp.sweep import driver as sweep_driver
-from ddpexp.sweep import pruning
 from ddpexp.sweep import space as sweep_space
 from ddpexp.sweep.backend import Backend, Job, JobFailed, JobSkipped, SweepInterrupted, backend_of
 from ddpexp.sweep.summary import job_error, summarize

@@ -1,7 +1,8 @@
-"""The sweeper's side of pruning an ``optuna_async`` trial: the study's journal storage, the
-pruner built from its description (both here and in the trial, since optuna keeps pruners out
-of its storage), and the environment a trial's job is started with. The trial's side is
-:mod:`ddpexp.callbacks.pruning`."""
+"""What makes a job an ``optuna_async`` trial, shared by the search that starts it
+(:mod:`ddpexp.sweep.search`) and the callback that reports from inside it
+(:mod:`ddpexp.callbacks.pruning`): the environment a trial's job is started with, the study's
+journal storage, and the pruner built from its description (on both sides, since optuna keeps
+pruners out of its storage)."""
 
 from __future__ import annotations
 
