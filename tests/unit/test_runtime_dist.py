@@ -98,7 +98,7 @@ def test_derive_seed_trailing_zero_part_is_a_different_stream():
 
 
 def test_derive_seed_matches_seed_sequence():
-    expected = int(np.random.SeedSequence([7, 2, 3]).generate_state(1, dtype=np.uint64)[0] >> 1)
+    expected = int(np.random.SeedSequence([7, 2, 3]).generate_state(1, dtype=np.uint64)[0]) >> 1
     assert d.derive_seed(7, 2, 3) == expected
 
 

@@ -38,18 +38,20 @@ ConfigStore.instance().store(group="hydra/launcher", name="ddp", node=DdpLaunche
 
 
 # hydra/launcher=submitit_slurm with ddpexp's defaults for SLURM's pre-timeout signal: the
-# submit plugin's own schema, stored again under its name (importing the plugin's config
-# module first, so that its registration comes before this one whatever the order in which
-# Hydra discovers the plugins). SLURM sends SIGUSR2 signal_delay_s before the time limit;
-# ddpexp checkpoints and hands the signal to submitit, which requeues the job while
-# max_num_timeout allows. submitit counts every such signal of a job under 10 minutes as a
-# timeout, and with Hydra's 0 the sweep then ends in an UncompletedJobError. A checkpoint
-# takes seconds, not the 120 s submitit leaves by default.
-try:
-    from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
-except ImportError:  # the submitit launcher is not installed: nothing to change
-    SlurmQueueConf = None
-if SlurmQueueConf is not None:
+# submitit plugin's own schema, stored again under its name. SLURM sends SIGUSR2
+# signal_delay_s before the time limit; ddpexp checkpoints and hands the signal to submitit,
+# which requeues the job while max_num_timeout allows. submitit counts every such signal of a
+# job under 10 minutes as a timeout, and with Hydra's 0 the sweep then ends in an
+# UncompletedJobError. A checkpoint takes seconds, not the 120 s submitit leaves by default.
+def store_slurm_defaults() -> None:
+    """Store ddpexp's ``submitit_slurm`` defaults (nothing where submitit is not installed)."""
+    try:
+        from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
+    except ImportError:
+        return
     ConfigStore.instance().store(group="hydra/launcher", name="submitit_slurm",
                                  node=SlurmQueueConf(max_num_timeout=3, signal_delay_s=60),
                                  provider="submitit_launcher")
+
+
+store_slurm_defaults()
