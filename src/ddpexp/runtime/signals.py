@@ -1,8 +1,8 @@
 """The signals that stop a run with a checkpoint, and the flag the training loop reads.
 
-Both the parent (:mod:`ddpexp.launch.fanout`, which hands them to torch elastic's agent) and every worker
-(the trainer, which checks the flag at step boundaries) use these, so they live apart from
-either.
+Both the parent (:mod:`ddpexp.launch.fanout`, which hands them to torch elastic's agent)
+and every worker (the trainer, which checks the flag at step boundaries) use these, so they
+live apart from either.
 """
 
 from __future__ import annotations
