@@ -83,3 +83,14 @@ def test_a_checkpoint_of_0_1_0_loads_unchanged():
     run = RunState(Best(ckpt["best"]["metric"], "max"))
     run.load_state_dict(ckpt)
     assert run.state_dict() == {key: ckpt[key] for key in COUNTER_KEYS}
+
+
+def test_the_paths_earlier_versions_documented_still_import():
+    """A user's callback written against ``ddpexp.training.state.RunState`` or
+    ``ddpexp.training.signals.Interrupted`` keeps importing the same classes."""
+    from ddpexp.callbacks.state import RunState
+    from ddpexp.runtime.signals import Interrupted
+    from ddpexp.training.signals import Interrupted as OldInterrupted
+    from ddpexp.training.state import RunState as OldRunState
+
+    assert OldRunState is RunState and OldInterrupted is Interrupted
