@@ -34,6 +34,7 @@ import pickle
 import re
 import shutil
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -60,15 +61,20 @@ _DIGEST_LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
 
 def save_atomic(obj: dict, path: Path) -> None:
     """Write ``obj`` to ``path`` so that a crash at any instant leaves either the old file or
-    the new one, never a torn one: temporary file in the same dir, fsync, rename, fsync dir."""
+    the new one, never a torn one: temporary file in the same dir, fsync, rename, fsync dir.
+    Its SHA-256 is written beside it (:func:`digest_path`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}{_TMP_MARK}{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
             torch.save(obj, f)
             f.flush()
-            os.fsync(f.fileno())
-        _swap_into(tmp, path, file_digest(tmp))
+            # The bytes are hashed from the page cache while fsync waits for the disk: the
+            # digest costs the save little more than the fsync did (docs/benchmarks.md).
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                digest = pool.submit(file_digest, tmp)
+                os.fsync(f.fileno())
+        _swap_into(tmp, path, digest.result())
     except RuntimeError:
         # torch's archive writer reports a short write ("unexpected pos ...", "file write
         # failed", "enforce fail at inline_container.cc") without the errno; a full disk is
@@ -195,8 +201,6 @@ def check_digest(path: Path | str, fix: str | None = None) -> None:
         if missing:
             raise CheckpointError(f"checkpoint {path} is incomplete: {', '.join(missing)} "
                                   f"listed in its {SHARDED_DIGEST} missing. {_fix(path, fix)}")
-        from concurrent.futures import ThreadPoolExecutor
-
         files = [path / name for _, name in entries]
         # hashlib lets go of the GIL: the shards are hashed side by side.
         with ThreadPoolExecutor(max_workers=min(len(files), os.cpu_count() or 1)) as pool:
@@ -373,8 +377,6 @@ def save_sharded(tensors: dict, meta: dict | None, path: Path, is_main: bool) ->
 def _write_sharded_digests(directory: Path) -> None:
     """``SHA256SUMS`` in the sharded checkpoint ``directory``: every rank's files, once
     every rank has written them (dcp.save has returned), hashed side by side."""
-    from concurrent.futures import ThreadPoolExecutor
-
     files = sorted(p for p in directory.iterdir() if p.is_file() and p.name != SHARDED_DIGEST)
     with ThreadPoolExecutor(max_workers=min(len(files), os.cpu_count() or 1)) as pool:
         digests = list(pool.map(file_digest, files))
