@@ -77,7 +77,11 @@ def test_sigkill_during_saves_never_leaves_an_unloadable_checkpoint(tmp_path):
             _assert_consistent(checkpoint.load(best))
         removed = checkpoint.remove_stale_temporaries(last.parent)
         assert all(checkpoint._TMP_MARK in p.name for p in removed)
-        assert sorted(p.name for p in last.parent.iterdir()) in (["last.pt"], ["best.pt", "last.pt"])
+        names = sorted(p.name for p in last.parent.iterdir())
+        files = [n for n in names if not n.endswith(checkpoint.DIGEST_SUFFIX)]
+        assert files in (["last.pt"], ["best.pt", "last.pt"])
+        # A digest never outlives its file (each file was checked by the loads above).
+        assert {n.removesuffix(checkpoint.DIGEST_SUFFIX) for n in names} == set(files)
     # Every child got at least one save through before its kill.
     assert len(seen) == 40, seen
     print(f"{stray} of 40 kills caught a save half-way")  # typically most of them
@@ -125,7 +129,7 @@ def test_stale_temporaries_are_removed_and_never_read(tmp_path):
     stale.write_bytes(b"half a checkpoint")
     assert _assert_consistent(checkpoint.load(ckpt_dir / "last.pt")) == 1
     assert checkpoint.remove_stale_temporaries(ckpt_dir) == [stale]
-    assert [p.name for p in ckpt_dir.iterdir()] == ["last.pt"]
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["last.pt", "last.pt.sha256"]
 
 
 def test_truncated_checkpoint_names_the_file(tmp_path):
@@ -257,3 +261,50 @@ def test_cli_missing_resume_path(tmp_path, monkeypatch, capsys):
     empty.mkdir()
     code, text = run_cli_here([*TINY, f"resume={empty}"], workdir, monkeypatch, capsys)
     _assert_clean_failure(code, text, f"{empty}/checkpoints/last.pt does not exist")
+
+
+def _flip_a_weight_byte(path: Path) -> None:
+    """Flip one bit inside the bytes of a weight of checkpoint ``path``, in place: the
+    archive stays well-formed, only the weights differ (what a bad disk sector does)."""
+    weight = next(iter(torch.load(path, weights_only=True)["model"].values()))
+    data = bytearray(path.read_bytes())
+    at = data.find(weight.numpy().tobytes())
+    assert at > 0
+    data[at + 1] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_cli_refuses_a_last_pt_whose_bytes_changed(tmp_path, monkeypatch, capsys):
+    run_dir = _real_checkpoint(tmp_path, monkeypatch, capsys)
+    last = run_dir / "checkpoints" / "last.pt"
+    _flip_a_weight_byte(last)
+    before = _snapshot(run_dir)
+    code, text = run_cli_here([*TINY, f"resume={run_dir}"], tmp_path, monkeypatch, capsys)
+    _assert_clean_failure(code, text, f"checkpoint {last} changed since it was saved",
+                          f"resume={run_dir / 'checkpoints' / 'best.pt'}",
+                          f"delete {last}.sha256 to read it unchecked")
+    assert text.count("changed since it was saved") == 1
+    assert _snapshot(run_dir) == before  # the checkpoint as it was, nothing else written
+    assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["run"]  # no new run dir
+
+
+def test_eval_refuses_a_best_pt_whose_bytes_changed(tmp_path, monkeypatch, capsys):
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from ddpexp import eval as ddpexp_eval
+
+    run_dir = _real_checkpoint(tmp_path, monkeypatch, capsys)
+    best = run_dir / "checkpoints" / "best.pt"
+    _flip_a_weight_byte(best)
+    before = _snapshot(run_dir)
+    for target in (run_dir, best):
+        out, err = io.StringIO(), io.StringIO()
+        with redirect_stdout(out), redirect_stderr(err):
+            code = ddpexp_eval.main([str(target)])
+        assert code == 1 and out.getvalue() == ""
+        text = err.getvalue()
+        assert f"checkpoint {best} changed since it was saved" in text, text
+        assert "Evaluate another checkpoint of the run" in text
+        assert text.count("\n") == 1 and "Traceback" not in text
+        assert _snapshot(run_dir) == before  # no eval-*.json, the checkpoint as it was

@@ -66,7 +66,8 @@ def test_two_workers_one_run_dir_rank0_writes(workdir):
     assert m["world_size"] == 2 and m["status"] == "completed" and m["epochs"] == 2
     # Exactly one writer: one events file, one set of checkpoints, nothing else in the dir.
     assert len(list((run_dir / "tb").iterdir())) == 1
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["best.pt", "last.pt"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "best.pt", "best.pt.sha256", "last.pt", "last.pt.sha256"]
     assert sorted(p.name for p in run_dir.iterdir()) == [
         ".hydra", "checkpoints", "ddpexp.log", "metrics.json", "tb"]
     assert "[rank1]" not in (run_dir / "ddpexp.log").read_text()

@@ -42,7 +42,8 @@ def test_save_top_k_keeps_the_two_best_through_a_resume(tmp_path):
     for entry in best_two:  # each file is that epoch's checkpoint
         ckpt = _load(ckpts / _top_k_name(entry, "val/loss"))
         assert ckpt["history"][-1] == entry
-    assert {p.name for p in ckpts.iterdir()} == {*kept, "last.pt", "best.pt"}
+    files = {*kept, "last.pt", "best.pt"}
+    assert {p.name for p in ckpts.iterdir()} == {*files, *(f"{f}.sha256" for f in files)}
 
 
 def test_ema_decay_zero_is_the_same_run_as_no_ema(tmp_path):

@@ -14,7 +14,7 @@ from ddpexp.errors import CheckpointError
 def test_save_atomic_leaves_no_temporary(tmp_path):
     path = tmp_path / "sub" / "last.pt"
     io.save_atomic({"model": {"w": torch.ones(2)}, "step": 1}, path)
-    assert sorted(p.name for p in path.parent.iterdir()) == ["last.pt"]
+    assert sorted(p.name for p in path.parent.iterdir()) == ["last.pt", "last.pt.sha256"]
     assert io.load(path)["step"] == 1
 
 
@@ -166,3 +166,117 @@ def test_a_failed_sharded_save_is_told_as_the_single_file_save_tells_it(tmp_path
     other = io._sharded_save_error(_failed_save(RuntimeError("unexpected pos 7 vs 3")), path)
     assert isinstance(other, RuntimeError) and not isinstance(other, OSError)
     assert f"saving the sharded checkpoint {path} failed: RuntimeError: unexpected pos" in str(other)
+
+
+# ------------------------------------------------------------------ digests
+def _flip_byte(path, at=None):
+    """Flip one bit of ``path``'s bytes in place (by default in the middle of the file)."""
+    data = bytearray(path.read_bytes())
+    at = len(data) // 2 if at is None else at
+    data[at] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def test_a_saved_file_carries_its_sha256_in_the_format_sha256sum_checks(tmp_path):
+    import hashlib
+
+    path = tmp_path / "last.pt"
+    io.save_atomic({"model": {"w": torch.arange(5.0)}}, path)
+    sidecar = io.digest_path(path)
+    assert sidecar.name == "last.pt.sha256"
+    assert sidecar.read_text() == f"{hashlib.sha256(path.read_bytes()).hexdigest()}  last.pt\n"
+    io.check_digest(path)
+    assert torch.load(path, weights_only=True)["model"]["w"].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_a_changed_byte_is_refused_naming_the_file_and_the_way_out(tmp_path):
+    path = tmp_path / "last.pt"
+    io.save_atomic({"model": {"w": torch.zeros(1000)}, "step": 3}, path)
+    _flip_byte(path)
+    before = path.read_bytes()
+    for mmap in (False, True):
+        with pytest.raises(CheckpointError, match=rf"checkpoint {path} changed since it was saved: "
+                                                  r"its SHA-256 is [0-9a-f]{16}\.\.\., last.pt.sha256 "
+                                                  rf"recorded .*delete {path}.sha256 to read it unchecked"):
+            io.load(path, mmap=mmap)
+    with pytest.raises(CheckpointError, match="changed since it was saved"):
+        io.verify(path)
+    assert path.read_bytes() == before  # refused, not repaired or removed
+    io.digest_path(path).unlink()  # the way out the message offers
+    assert io.load(path)["step"] == 3
+
+
+def test_a_checkpoint_without_a_digest_reads_as_before(tmp_path):
+    path = tmp_path / "old.pt"
+    torch.save({"model": {"w": torch.ones(2)}, "step": 7}, path)  # as earlier versions wrote it
+    io.check_digest(path)
+    io.verify(path)
+    assert io.load(path)["step"] == 7
+
+
+def test_a_damaged_digest_file_is_named(tmp_path):
+    path = tmp_path / "last.pt"
+    io.save_atomic({"model": {}}, path)
+    io.digest_path(path).write_text("not a digest\n")
+    with pytest.raises(CheckpointError, match=rf"digest file {path}.sha256 is damaged .*delete it"):
+        io.load(path)
+
+
+def test_copies_carry_the_digest_and_replacing_keeps_it_true(tmp_path):
+    last, best = tmp_path / "last.pt", tmp_path / "best.pt"
+    io.save_atomic({"model": {"w": torch.ones(3)}, "step": 1}, last)
+    io.copy_atomic(last, best)
+    assert io.digest_path(best).read_text() == io.digest_path(last).read_text().replace("last.pt", "best.pt")
+    io.check_digest(best)
+    io.save_atomic({"model": {"w": torch.zeros(3)}, "step": 2}, last)
+    io.check_digest(last)
+    assert len(io.digest_path(last).read_text().splitlines()) == 1
+    io.copy_atomic(last, best)  # over the older best.pt
+    io.check_digest(best)
+    assert io.load(best)["step"] == 2
+    io.remove(best)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt", "last.pt.sha256"]
+
+
+def test_a_copy_of_a_file_without_digest_has_none(tmp_path):
+    old, copy = tmp_path / "old.pt", tmp_path / "best.pt"
+    torch.save({"model": {}}, old)
+    io.save_atomic({"model": {}}, copy)  # a stale digest there must not outlive the copy
+    io.copy_atomic(old, copy)
+    assert not io.digest_path(copy).exists()
+    io.load(copy)
+
+
+def test_a_crash_mid_replace_leaves_either_file_accepted(tmp_path):
+    """While last.pt is replaced, its digest file accepts the old bytes and the new: a crash
+    before or after the rename leaves a file that reads."""
+    last = tmp_path / "last.pt"
+    io.save_atomic({"model": {}, "step": 1}, last)
+    old = io.file_digest(last)
+    new = tmp_path / "new.pt"
+    torch.save({"model": {}, "step": 2}, new)
+    io._write_digests(io.digest_path(last), last.name, [old, io.file_digest(new)])  # first half
+    io.check_digest(last)  # crash before the rename: the old file
+    os.replace(new, last)
+    io.check_digest(last)  # crash after it: the new one
+    assert io.load(last)["step"] == 2
+
+
+def test_a_sharded_checkpoint_lists_every_file_and_refuses_a_changed_shard(tmp_path, gloo_group):
+    last = tmp_path / "checkpoints" / io.LAST
+    io.save_sharded({"model": {"w": torch.arange(64.0)}}, {"step": 1}, last, is_main=True)
+    sums = (last / io.SHARDED_DIGEST).read_text().splitlines()
+    listed = sorted(line.split("  ", 1)[1] for line in sums)
+    assert listed == sorted(p.name for p in last.iterdir() if p.name != io.SHARDED_DIGEST)
+    assert {io.META, ".metadata"} <= set(listed)
+    io.verify(last)
+    assert io.load(last)["step"] == 1
+    (shard,) = [p for p in last.iterdir() if p.suffix == ".distcp"]
+    _flip_byte(shard, at=shard.stat().st_size - 8)
+    for read in (io.verify, io.load, io.load_sharded):
+        with pytest.raises(CheckpointError, match=rf"checkpoint {shard} changed since it was saved.*"
+                                                  rf"{io.SHARDED_DIGEST} recorded"):
+            read(last)
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=rf"checkpoint {last} is incomplete: {shard.name} listed"):
+        io.verify(last)

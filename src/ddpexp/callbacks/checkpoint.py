@@ -110,7 +110,7 @@ class ModelCheckpoint(Callback):
         trainer.save_checkpoint(self.last_model_path, copies)
         if trainer.is_main:
             for name in dropped:
-                (self.dirpath / name).unlink(missing_ok=True)
+                ckpt_io.remove(self.dirpath / name)  # and its digest
 
     def state_dict(self) -> dict:
         return {"top_k": self.top_k.state_dict() if self.top_k is not None else None}
