@@ -1,4 +1,4 @@
-"""Checkpoints compared tensor by tensor."""
+"""Tensors compared, and a small model trained a few steps, for the unit tests."""
 
 from __future__ import annotations
 
@@ -20,3 +20,29 @@ def assert_same_tensors(a, b, where: str) -> None:
             assert_same_tensors(x, y, f"{where}[{i}]")
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def small_net() -> torch.nn.Module:
+    """The same small classifier (with a BatchNorm, whose buffers an average must follow)
+    every time it is built."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def train_steps(model: torch.nn.Module, steps: int, seed: int = 1, after_step=None) -> None:
+    """``steps`` SGD steps of ``model`` on random batches drawn from ``seed``; ``after_step()``
+    runs after each optimizer step (an average's update, a profiler's step)."""
+    from torch import nn
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(16, 4, generator=gen)
+        y = torch.randint(0, 3, (16,), generator=gen)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if after_step is not None:
+            after_step()

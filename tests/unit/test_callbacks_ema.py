@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.tensors import small_net, train_steps
 from torch import nn
 
 from ddpexp.callbacks import EMA, ModelCheckpoint
@@ -122,26 +123,12 @@ def test_resume_restores_average(trainer_factory):
 
 
 # ------------------------------------------------------------------ over training steps
-def _net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
-
-
 def _train(model: nn.Module, steps: int, ema: WeightAverage | None = None, seed: int = 1) -> None:
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x = torch.randn(16, 4, generator=gen)
-        y = torch.randint(0, 3, (16,), generator=gen)
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        if ema is not None:
-            ema.update()
+    train_steps(model, steps, seed, after_step=None if ema is None else ema.update)
 
 
 def test_ema_is_the_moving_average_and_copies_buffers():
-    model = _net()
+    model = small_net()
     start = {k: v.clone() for k, v in model.state_dict().items()}
     ema = WeightAverage(model, decay=0.9)
     expected = {k: v.clone() for k, v in start.items()}
@@ -167,7 +154,7 @@ def test_ema_is_the_moving_average_and_copies_buffers():
 
 
 def test_ema_decay_zero_is_exactly_the_live_weights():
-    plain, averaged = _net(), _net()
+    plain, averaged = small_net(), small_net()
     ema = WeightAverage(averaged, decay=0.0)
     _train(plain, 7)
     _train(averaged, 7, ema)
@@ -177,12 +164,12 @@ def test_ema_decay_zero_is_exactly_the_live_weights():
 
 
 def test_ema_applied_swaps_in_and_back_and_loads_into_a_fresh_model():
-    model = _net()
+    model = small_net()
     ema = WeightAverage(model, decay=0.8)
     _train(model, 4, ema)
     trained = {k: v.clone() for k, v in model.state_dict().items()}
     x = torch.randn(5, 4)
-    fresh = _net()
+    fresh = small_net()
     fresh.load_state_dict(ema.averaged())  # the averaged weights are a plain state dict
     fresh.eval()
     model.eval()
@@ -199,18 +186,18 @@ def test_ema_applied_swaps_in_and_back_and_loads_into_a_fresh_model():
 def test_ema_state_dict_resumes_exactly():
     """Train 6 steps in one go, or 3, save, restore into fresh objects and 3 more: the
     same average bit for bit."""
-    whole = _net()
+    whole = small_net()
     ema_whole = WeightAverage(whole, 0.95)
     _train(whole, 3, ema_whole, seed=1)
     _train(whole, 3, ema_whole, seed=2)
 
-    first = _net()
+    first = small_net()
     ema_first = WeightAverage(first, 0.95)
     _train(first, 3, ema_first, seed=1)
     saved_model = {k: v.clone() for k, v in first.state_dict().items()}
     saved_ema = {**ema_first.state_dict(),
                  "averaged": {k: v.clone() for k, v in ema_first.state_dict()["averaged"].items()}}
-    second = _net()
+    second = small_net()
     second.load_state_dict(saved_model)
     ema_second = WeightAverage(second, 0.95)
     ema_second.load_state_dict(saved_ema)

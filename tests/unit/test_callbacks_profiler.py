@@ -6,30 +6,18 @@ from __future__ import annotations
 import json
 import logging
 
-import torch
+from helpers.tensors import small_net, train_steps
 from torch import nn
 
 from ddpexp.callbacks.profiler import StepProfiler
 
 
-def _net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
-
-
 def _train(model: nn.Module, steps: int, seed: int = 1) -> None:
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x = torch.randn(16, 4, generator=gen)
-        y = torch.randint(0, 3, (16,), generator=gen)
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    train_steps(model, steps, seed)
 
 
 def test_profiler_writes_a_chrome_trace_and_logs_top_operators(tmp_path, caplog):
-    model = _net()
+    model = small_net()
     with caplog.at_level(logging.INFO, logger="ddpexp"):
         prof = StepProfiler(steps=2, run_dir=tmp_path, skip=2)
         _train_steps_with(prof, model, 6)
@@ -45,7 +33,7 @@ def test_profiler_writes_a_chrome_trace_and_logs_top_operators(tmp_path, caplog)
 def test_profiler_run_too_short_warns(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="ddpexp"):
         prof = StepProfiler(steps=3, run_dir=tmp_path, skip=4)
-        _train_steps_with(prof, _net(), 1)
+        _train_steps_with(prof, small_net(), 1)
         prof.close()
     assert "no trace written" in caplog.text
     assert not prof.trace_path.exists()
