@@ -49,8 +49,22 @@ def test_hparams_session_written(tmp_path):
     assert start.hparams["model.hidden"].string_value == "[8]"
 
 
+PREFIX = "events.out.tfevents."
+
+
+def started_earlier(tb_dir, seconds=10):
+    """Date the event files in ``tb_dir`` back by ``seconds``, as a run resumed later would
+    find them. TensorBoard reads a dir's files in the order of their names (time, host, pid,
+    then a per-process counter, compared as text): two sessions of one process in one second
+    would otherwise be read in either order, as the counter passes 9 or 99."""
+    for path in tb_dir.glob(PREFIX + "*"):
+        stamp, rest = path.name.removeprefix(PREFIX).split(".", 1)
+        path.rename(path.with_name(f"{PREFIX}{int(stamp) - seconds:010d}.{rest}"))
+
+
 def test_resume_purges_later_steps(tmp_path):
     session(tmp_path, metrics=[(s, {"train/loss": float(s)}) for s in (1, 2, 3, 4)], status="failed")
+    started_earlier(tmp_path / "tb")
     session(tmp_path, resumed=True, step=2, metrics=[(3, {"train/loss": 30.0})])
     acc = read(tmp_path / "tb")
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (3, 30.0)]
