@@ -106,6 +106,8 @@ def test_register_gives_a_class_a_name(monkeypatch, trainer_config):
     ("nopkg_here.Mine", "trainer.strategy=nopkg_here.Mine: cannot import nopkg_here"),
     (f"{__name__}.Nothing", f"trainer.strategy={__name__}.Nothing: {__name__} has no Nothing"),
     ({"bucket": 3}, "trainer.strategy as a node needs _target_"),
+    ({"_target_": MINE, "_partial_": True, "_args_": [1]},
+     "trainer.strategy: _args_, _partial_ is not taken in a strategy node"),
     (3, "trainer.strategy=3: name one of [auto, ddp, fsdp, dp, single]"),
 ])
 def test_refusals_name_what_is_allowed(spec, message):

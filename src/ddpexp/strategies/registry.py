@@ -98,6 +98,13 @@ def _split(spec: Any) -> tuple[str, dict[str, Any]]:
         if not isinstance(target, str) or not target:
             raise ConfigError("trainer.strategy as a node needs _target_: the dotted path of a "
                               f"strategy class (got {dict(spec)!r})")
+        special = sorted(k for k in rest if k.startswith("_") and k.endswith("_"))
+        if special:
+            # Hydra's _args_, _partial_, _recursive_, _convert_ mean nothing here: the class
+            # is built by the trainer with the node's other keys as keyword arguments.
+            raise ConfigError(f"trainer.strategy: {', '.join(special)} is not taken in a "
+                              "strategy node; give the class's constructor arguments as keys "
+                              f"of the node ({{_target_: {target}, key: value}})")
         return target, rest
     if not isinstance(spec, str):
         raise ConfigError(f"trainer.strategy={spec!r}: name one of [{', '.join(names())}] or "
