@@ -25,6 +25,7 @@ from typing import cast
 
 from ddpexp.checkpoint import io as ckpt_io
 from ddpexp.errors import CheckpointError, ConfigError, DdpexpError
+from ddpexp.strategies import registry
 
 SPLITS = ("test", "val")
 USAGE = ("usage: python -m ddpexp.eval PATH [key=value ...]  "
@@ -79,10 +80,11 @@ def apply_overrides(config: dict, overrides: Sequence[str]) -> tuple[dict, str]:
         given.add(key)
     plain = cast(dict, OmegaConf.to_container(cfg, resolve=True))  # a DictConfig's: a dict
     trainer = plain["trainer"]
-    # The stored strategy was resolved for the training run's workers; decide it afresh
-    # for the workers asked for now, and never restart an evaluation.
-    if "trainer.strategy" not in given:
-        trainer["strategy"] = "auto"
+    # A built-in strategy was resolved for the training run's workers; decide it afresh
+    # for the workers asked for now (a user's own class is kept), and never restart an
+    # evaluation.
+    if "trainer.strategy" not in given and registry.is_builtin(trainer.get("strategy")):
+        trainer["strategy"] = registry.AUTO
     if "trainer.procs" not in given and "trainer.gpus" in given:
         trainer["procs"] = None
     if "trainer.max_restarts" not in given:

@@ -45,6 +45,12 @@ def names() -> list[str]:
     return [AUTO, *_REGISTRY]
 
 
+def is_builtin(spec: Any) -> bool:
+    """Whether ``spec`` is ``auto`` or a name registered here rather than a class of the
+    user's own (by dotted path or ``_target_`` node)."""
+    return isinstance(spec, str) and (spec == AUTO or spec in _REGISTRY)
+
+
 def is_auto(spec: Any) -> bool:
     """Whether ``spec`` leaves the choice to :func:`resolve_auto`."""
     return isinstance(spec, str) and spec == AUTO
