@@ -188,3 +188,30 @@ def test_schedule_progress_drops_lambdas():
     assert state._schedule_progress(s) == {"last_epoch": 4, "lr_lambdas": [None, None]}
     plain = {"last_epoch": 2}
     assert state._schedule_progress(plain) is plain
+
+
+def test_a_restart_refuses_a_changed_shard_of_the_runs_own_checkpoint(trainer_factory, gloo_group):
+    import dataclasses
+
+    from ddpexp.checkpoint import io as ckpt_io
+    from ddpexp.errors import CheckpointError
+
+    first = trainer_factory("run", strategy="fsdp", callbacks={"checkpoint": ModelCheckpoint()})
+    first.fit()
+    last = first.run_dir / "checkpoints" / ckpt_io.LAST
+    assert ckpt_io.is_sharded(last)
+
+    def restarted():
+        t = trainer_factory("run", strategy="fsdp", callbacks={"checkpoint": ModelCheckpoint()})
+        t.ctx = dataclasses.replace(t.ctx, restart=1)  # as the workers' first restart sees it
+        return t
+
+    t = restarted()
+    state.load(t, last)
+    assert t.step == first.step > 0
+    shard = next(p for p in last.iterdir() if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[-8] ^= 0x10
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"checkpoint {shard} changed since it was saved"):
+        state.load(restarted(), last)

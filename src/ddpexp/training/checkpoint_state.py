@@ -57,7 +57,7 @@ import torch.distributed as dist
 from ddpexp.callbacks.base import Dispatch, TrainerView
 from ddpexp.checkpoint import io as ckpt_io
 from ddpexp.checkpoint import portable
-from ddpexp.errors import ConfigError
+from ddpexp.errors import CheckpointError, ConfigError
 from ddpexp.runtime.dist import rng_state, set_rng_state
 
 if TYPE_CHECKING:
@@ -121,6 +121,8 @@ def load(trainer: Trainer, path: Path) -> None:
     """Resume ``trainer`` from the checkpoint at ``path``, a file or a sharded directory
     written at any world size (every rank reads it)."""
     sharded = ckpt_io.is_sharded(path)
+    if sharded and trainer.ctx.restart > 0:
+        _check_shards(trainer, path)
     if sharded:
         from ddpexp.strategies.fsdp import sharded_shapes
 
@@ -154,6 +156,23 @@ def load(trainer: Trainer, path: Path) -> None:
             f"checkpoint {path} does not fit this run's model/optimizer ({text[:300]}); "
             "resume with the config the run was started with"
         ) from None
+
+
+def _check_shards(trainer: Trainer, path: Path) -> None:
+    """Refuse, on every rank, a sharded checkpoint whose files are not the bytes saved. The
+    checkpoint a run starts from was checked before its workers started; the one a restart
+    of the workers continues from was written since, and is checked here, by global rank 0
+    alone (each rank reads only its shards), its verdict shared."""
+    problem: list[str | None] = [None]
+    if trainer.is_main:
+        try:
+            ckpt_io.check_digest(path)
+        except CheckpointError as exc:
+            problem = [str(exc)]
+    if trainer.world_size > 1:
+        dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise CheckpointError(problem[0])
 
 
 def restore(trainer: Trainer, state: dict) -> None:
