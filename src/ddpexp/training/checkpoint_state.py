@@ -58,7 +58,7 @@ from ddpexp.callbacks.base import Dispatch, TrainerView
 from ddpexp.checkpoint import io as ckpt_io
 from ddpexp.checkpoint import portable
 from ddpexp.errors import CheckpointError, ConfigError
-from ddpexp.runtime.dist import rng_state, set_rng_state
+from ddpexp.runtime.dist import DistContext, rng_state, set_rng_state
 
 if TYPE_CHECKING:
     from ddpexp.data.base import DataSource
@@ -82,6 +82,7 @@ class Trainer(TrainerView, Protocol):
     callbacks: Dispatch
     data: DataSource
     config: dict
+    ctx: DistContext
 
 
 def gather(trainer: Trainer) -> dict | None:
