@@ -185,3 +185,21 @@ def test_preflight_refuses_resuming_a_sweep_with_a_live_job(tmp_path, monkeypatc
     write_lock(sweep / "1")
     text = cli.preflight(["-m", f"hydra.sweep.dir={sweep}", "resume=auto", "seed=1,2"])
     assert text is not None and text.startswith(f"run dir {sweep / '1'} is in use by a live run")
+
+
+def test_the_subdir_resolver_locks_first_and_a_busy_dir_gets_no_config(tmp_path):
+    from ddpexp.config import rundir
+
+    free, held = tmp_path / "free", tmp_path / "held"
+    free.mkdir()
+    assert rundir.claimed_subdir(str(free)) == ".hydra"
+    assert json.loads((free / ".lock").read_text())["pid"] == os.getpid()
+    write_lock(held)
+    assert rundir.claimed_subdir(str(held)) is None  # Hydra then saves no config there
+    assert sorted(p.name for p in held.iterdir()) == [".lock"]
+    assert runlock.refusal(held) is not None
+
+
+def test_saved_run_dirs_hold_no_lock():
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures"
+    assert fixtures.is_dir() and not list(fixtures.rglob(".lock*"))
