@@ -36,3 +36,7 @@ class RunInterrupted(DdpexpError):
     def __init__(self, message: str, signal: str | None = None):
         super().__init__(message)
         self.signal = signal
+
+
+class RunDirBusy(DdpexpError):
+    """Another live run holds the run dir's lock; the message names it (host, pid, since)."""

@@ -1,7 +1,7 @@
 """Fixtures of the unit layer: in-process parts only (no process is started by any test).
 
-Global state that a test may leave behind is reset here: Hydra's GlobalHydra and the run
-dirs this process claimed (``ddpexp.config.rundir._CLAIMED``).
+Global state that a test may leave behind is reset here: Hydra's GlobalHydra, the run
+dirs this process claimed (``ddpexp.config.rundir._CLAIMED``) and the run-dir locks it holds.
 """
 
 from __future__ import annotations
@@ -19,11 +19,13 @@ def _fresh_globals():
     """Each test starts with no Hydra initialised and no claimed run dirs."""
     from hydra.core.global_hydra import GlobalHydra
 
-    from ddpexp.config import rundir
+    from ddpexp.config import rundir, runlock
 
     claimed = dict(rundir._CLAIMED)
     rundir._CLAIMED.clear()
     yield
+    runlock.release_all()
+    runlock._REFUSED.clear()
     rundir._CLAIMED.clear()
     rundir._CLAIMED.update(claimed)
     GlobalHydra.instance().clear()

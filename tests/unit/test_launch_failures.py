@@ -67,6 +67,13 @@ def test_tidy_removes_a_run_that_failed_before_its_first_step(tmp_path):
     assert (job / "metrics.json").exists()
 
 
+def test_tidy_removes_a_run_that_failed_before_its_first_step_with_its_lock(tmp_path):
+    run = _before_the_first_step(tmp_path / "run")
+    (run / ".lock").write_text("{}")  # the run's own, released once it is reported
+    failures._tidy(run, run / ".hydra", run / "checkpoints" / "last.pt", None, _hydra())
+    assert not run.exists()
+
+
 @pytest.mark.parametrize("work", ["metrics.json", "tb", "notes.log", "mine.txt"])
 def test_tidy_keeps_a_dir_with_work_or_files_of_others(tmp_path, work):
     run = _before_the_first_step(tmp_path / "run")

@@ -169,6 +169,29 @@ def test_resume_auto_skips_completed_jobs_and_refuses_another_sweeps_dir(app):
     assert rets[1].return_value == 0.2
 
 
+def test_a_sweep_whose_job_dir_a_live_run_holds_is_refused_whole(app, tmp_path):
+    import json
+    import os
+    import socket
+
+    from ddpexp.errors import RunDirBusy
+
+    first = app()
+    first.launch([["x=1", "resume=auto"], ["x=2", "resume=auto"]])
+    sweep = tmp_path / "sweep"
+    before = (sweep / "summary.csv").read_text()
+    # Job 1 is live in another process (this test's parent, which runs).
+    (sweep / "1" / "metrics.json").unlink()
+    (sweep / "1" / ".lock").write_text(json.dumps(
+        {"host": socket.gethostname(), "pid": os.getppid(), "start": "2026-12-03T08:00:00+00:00"}))
+    again = app()
+    with pytest.raises(RunDirBusy, match=rf"run dir {sweep / '1'} is in use by a live run \(pid "
+                                         rf"{os.getppid()}"):
+        again.launch([["x=1", "resume=auto"], ["x=2", "resume=auto"]])
+    assert again.backends == [] or again.backends[0].started == []
+    assert (sweep / "summary.csv").read_text() == before
+
+
 def test_a_job_over_timeout_s_is_stopped_then_forced(app, tmp_path):
     launcher = app(timeout_s=0, kill_grace_s=0)
     (ret,) = launcher.launch([["hang=true"]])

@@ -1,7 +1,7 @@
 """The command line before Hydra reads it: trainer-key typos, entry typos under
 ``callbacks.*`` and ``logger.*``, a group's list naming an option it does not have, a run dir
-that already holds a run, ``resume=`` paths, and overrides quoted back for a printed command
-(the command that continues a run, :func:`resume_command`)."""
+that another live run holds or that already holds a run, ``resume=`` paths, and overrides
+quoted back for a printed command (the command that continues a run, :func:`resume_command`)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,13 @@ from typing import Any
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
-from ddpexp.config.rundir import holds_run, remove_run_outputs, writable_dir_problem
+from ddpexp.config import runlock
+from ddpexp.config.rundir import (
+    holds_run,
+    remove_run_outputs,
+    rendezvous_of,
+    writable_dir_problem,
+)
 from ddpexp.config.schema import TrainerConfig
 
 
@@ -257,13 +263,13 @@ def continue_sweep(sweep_dir: Path | str) -> str:
 
 def preflight(args: list[str]) -> str | None:
     """Checks of the command line that must happen before Hydra claims a run dir: trainer,
-    callbacks and logger key typos, an option missing from a group's list, a run dir that
-    already holds a run, and a ``resume=`` path that does not exist (which would otherwise
+    callbacks and logger key typos, an option missing from a group's list, a run dir that a
+    live run holds or that already holds a run, and a ``resume=`` path that does not exist (which would otherwise
     leave an empty new run dir behind its error)."""
     typo = unknown_trainer_keys(args) or unknown_group_options(args) or unknown_entry_keys(args)
     if typo:
         return typo
-    taken = run_dir_conflict(args)
+    taken = busy_run_dir(args) or run_dir_conflict(args)
     if taken:
         return taken
     resume = command_line_values(args).get("resume")
@@ -281,6 +287,38 @@ def _shares_run_dir(values: dict[str, Any]) -> bool:
         return True
     nodes = values.get("trainer.nodes", 1)
     return isinstance(nodes, int) and nodes > 1
+
+
+def busy_run_dir(args: list[str]) -> str | None:
+    """The refusal when a live run holds the run dir the command line names (``resume=``'s,
+    ``hydra.run.dir``, or any job dir under a sweep's ``hydra.sweep.dir``): said here, before
+    Hydra writes anything, the same way the run's own claim of the lock would say it
+    (:mod:`ddpexp.config.runlock`)."""
+    values = command_line_values(args)
+    multirun = any(a in ("-m", "--multirun") for a in args)
+    shared_by = rendezvous_of(values.get("trainer.nodes", 1), values.get("trainer.rdzv_endpoint"))
+    for run_dir in _named_run_dirs(values, multirun):
+        refused = runlock.busy(run_dir, shared_by)
+        if refused:
+            return refused
+    return None
+
+
+def _named_run_dirs(values: dict[str, Any], multirun: bool) -> list[Path]:
+    """The existing run dirs the command line's values point at."""
+    def path(key: str) -> Path | None:
+        value = values.get(key)
+        if value is None or value is SWEPT or "${" in str(value) or str(value) in ("", "auto"):
+            return None
+        return Path(str(value)).expanduser()
+
+    if multirun:
+        sweep = path("hydra.sweep.dir")
+        return sorted(d for d in sweep.iterdir() if d.is_dir()) if sweep and sweep.is_dir() else []
+    resume, run = path("resume"), path("hydra.run.dir")
+    if resume is not None and resume.is_file() and resume.parent.name == "checkpoints":
+        return [resume.parent.parent]
+    return [d for d in (resume, run) if d is not None and d.is_dir()]
 
 
 def run_dir_conflict(args: list[str]) -> str | None:

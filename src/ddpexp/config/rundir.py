@@ -1,5 +1,6 @@
 """Run dirs: claimed atomically (two runs started in the same second never share one),
-found again for ``resume=``, and where Hydra saves a job's config inside one."""
+found again for ``resume=``, locked for the run that writes them (:mod:`ddpexp.config.runlock`),
+and where Hydra saves a job's config inside one."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ddpexp.errors import ConfigError
+from ddpexp.config import runlock
+from ddpexp.errors import ConfigError, RunDirBusy
 
 # Hydra resolves hydra.run.dir / hydra.sweep.dir several times in one process (the sweeper
 # creates the sweep dir, the launcher reads it again). Each must see the same answer, so
@@ -118,6 +120,54 @@ def hydra_subdir(output_dir: str) -> str | None:
     while (first / f"resume-{n}").exists():
         n += 1
     return f".hydra/resume-{n}"
+
+
+def claimed_subdir(output_dir: str, *, _root_: Any = None) -> str | None:
+    """``hydra.output_subdir``'s resolver: take the run dir's lock, then :func:`hydra_subdir`.
+
+    Hydra resolves this after it creates the run dir and right before it saves the job's
+    config, the first thing a run writes there, and the resolver is where the dir the run
+    writes is known, so that is where the run claims it. A dir that another live run holds
+    gets no config saved (None); the task function then refuses the run
+    (:func:`ddpexp.launch.failures.guard_run`), with nothing of it written."""
+    try:
+        lock_run_dir(output_dir, _root_)
+    except RunDirBusy:
+        return None
+    return hydra_subdir(output_dir)
+
+
+def lock_run_dir(output_dir: str | Path, cfg: Any = None) -> runlock.RunLock | None:
+    """Take (once per process) the lock of the run dir ``output_dir`` for the run whose
+    config is ``cfg``; None where this process is not the one that owns the run (a later
+    task of a SLURM step that all run Hydra: its rank 0 holds the lock). Raises
+    :class:`~ddpexp.errors.RunDirBusy` while another live run holds it."""
+    if _later_slurm_task():
+        return None
+    return runlock.claim(output_dir, shared_by=shared_by(cfg))
+
+
+def shared_by(cfg: Any) -> str | None:
+    """:func:`rendezvous_of` the run whose config is ``cfg``."""
+    from omegaconf import OmegaConf
+
+    if cfg is None:
+        return None
+    try:
+        return rendezvous_of(OmegaConf.select(cfg, "trainer.nodes", default=1),
+                             OmegaConf.select(cfg, "trainer.rdzv_endpoint", default=None))
+    except Exception:  # a config that does not resolve is reported by the run itself
+        return None
+
+
+def rendezvous_of(nodes: Any, endpoint: Any) -> str | None:
+    """What the processes that share one run dir by design have in common: the rendezvous
+    of a ``trainer.nodes>1`` run, whose nodes each run Hydra on the same ``hydra.run.dir``."""
+    try:
+        several = int(nodes or 1) > 1
+    except (TypeError, ValueError):
+        return None
+    return f"rendezvous {endpoint}" if several and endpoint else None
 
 
 def _later_slurm_task() -> bool:

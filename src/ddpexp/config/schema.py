@@ -15,7 +15,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from ddpexp.config.rundir import hydra_subdir, resume_dir, unique_dir
+from ddpexp.config.rundir import claimed_subdir, resume_dir, unique_dir
 
 
 class MonitorMode(Enum):
@@ -156,7 +156,7 @@ def register_configs() -> None:
     if not OmegaConf.has_resolver("ddpexp.resume_dir"):
         OmegaConf.register_new_resolver("ddpexp.resume_dir", resume_dir)
     if not OmegaConf.has_resolver("ddpexp.hydra_subdir"):
-        OmegaConf.register_new_resolver("ddpexp.hydra_subdir", hydra_subdir)
+        OmegaConf.register_new_resolver("ddpexp.hydra_subdir", claimed_subdir)
 
 
 def trainer_config(node: Any) -> TrainerConfig:

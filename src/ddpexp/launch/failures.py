@@ -1,6 +1,8 @@
 """What a failed run leaves behind and how an operating-system error is told to the user.
 
-:func:`guard_run` wraps the task function: whatever way a run fails, the run dir ends in a
+:func:`guard_run` wraps the task function: the run holds its dir's lock while it runs
+(:mod:`ddpexp.config.runlock`; a dir another live run holds is refused before anything is
+written), releases it however the run ends, and whatever way a run fails, the run dir ends in a
 state the user can act on. A mistake found before the first step leaves no run dir: a
 run's dir that holds nothing but Hydra's config, the log and the failure's record is
 removed (a sweep job's stays, its error in its row); its message is the run's only output
@@ -37,13 +39,14 @@ from omegaconf import OmegaConf
 
 from ddpexp import errors
 from ddpexp.config.cli import env_flag
-from ddpexp.config.rundir import claimed_dirs, drop_unused_claims
-from ddpexp.errors import ConfigError, DdpexpError, RunInterrupted
+from ddpexp.config.rundir import claimed_dirs, drop_unused_claims, lock_run_dir
+from ddpexp.config.runlock import LOCK_FILE, release
+from ddpexp.errors import ConfigError, DdpexpError, RunDirBusy, RunInterrupted
 from ddpexp.launch.resources import oom_kills
 from ddpexp.record import METRICS_FILE, read_metrics_or_empty, record_failure, run_started
 
-# Files Hydra itself writes into a run dir before the task runs.
-_HYDRA_ONLY = {".hydra"}
+# Files written into a run dir before the task runs: Hydra's config, the run's lock.
+_HYDRA_ONLY = {".hydra", LOCK_FILE}
 
 
 def explain_os_error(exc: OSError, data_root: str | None = None,
@@ -84,35 +87,50 @@ def guard_run(task: Callable[[Any], Any]) -> Callable[[Any], Any]:
         run_dir = Path(hydra_cfg.runtime.output_dir)
         if hydra_cfg.mode == RunMode.RUN:
             drop_unused_claims(run_dir)
-        config_dir = _newest_config_dir(run_dir)
-        last = run_dir / "checkpoints" / "last.pt"
-        last_before = _stamp(last)
-        started = run_started()
         try:
-            with quiet_logging_errors():
-                return task(cfg)
-        except KeyboardInterrupt:
-            exc: BaseException = RunInterrupted(
-                "stopped by a second SIGINT before a checkpoint was saved; the last one (if "
-                f"any) is in {run_dir}/checkpoints", signal="SIGINT")
-            record_failure(run_dir, exc, started)
-            _ignore_further_interrupts()
+            # Taken already, where Hydra resolved hydra.output_subdir; a refusal then left
+            # no config behind, and leaves now before anything else is written.
+            lock_run_dir(run_dir, cfg)
+        except RunDirBusy as exc:
+            release(run_dir)
             _report(exc, hydra_cfg)
-        except BaseException as err:
-            exc = err
-            if isinstance(err, OSError):
-                root = _select(cfg, "data.root")
-                exc = explain_os_error(err, str(root) if root else None, str(run_dir))
-                record_failure(run_dir, exc, started)
-            if isinstance(exc, RunInterrupted):
-                _ignore_further_interrupts()
-            else:
-                _tidy(run_dir, config_dir, last, last_before, hydra_cfg)
-            if exc is err and not isinstance(exc, DdpexpError):
-                raise
-            _report(exc, hydra_cfg)
+        try:
+            return _guarded(task, cfg, hydra_cfg, run_dir)
+        finally:
+            release(run_dir)
 
     return guarded
+
+
+def _guarded(task: Callable[[Any], Any], cfg: Any, hydra_cfg: Any, run_dir: Path) -> Any:
+    """:func:`guard_run`'s clean-up around one call of ``task``."""
+    config_dir = _newest_config_dir(run_dir)
+    last = run_dir / "checkpoints" / "last.pt"
+    last_before = _stamp(last)
+    started = run_started()
+    try:
+        with quiet_logging_errors():
+            return task(cfg)
+    except KeyboardInterrupt:
+        exc: BaseException = RunInterrupted(
+            "stopped by a second SIGINT before a checkpoint was saved; the last one (if "
+            f"any) is in {run_dir}/checkpoints", signal="SIGINT")
+        record_failure(run_dir, exc, started)
+        _ignore_further_interrupts()
+        _report(exc, hydra_cfg)
+    except BaseException as err:
+        exc = err
+        if isinstance(err, OSError):
+            root = _select(cfg, "data.root")
+            exc = explain_os_error(err, str(root) if root else None, str(run_dir))
+            record_failure(run_dir, exc, started)
+        if isinstance(exc, RunInterrupted):
+            _ignore_further_interrupts()
+        else:
+            _tidy(run_dir, config_dir, last, last_before, hydra_cfg)
+        if exc is err and not isinstance(exc, DdpexpError):
+            raise
+        _report(exc, hydra_cfg)
 
 
 @contextlib.contextmanager

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from ddpexp.config import runlock
 from ddpexp.errors import ConfigError, RunFailed, RunInterrupted
 from ddpexp.launch.failures import describe_step_failure, rank_error
 from ddpexp.launch.world import World, detect
@@ -280,6 +281,7 @@ class Listener:
                 self.on_stuck(kind)
             except Exception:
                 pass
+        runlock.release_all()  # rank 0 holds the run dir's lock; os._exit runs no finally
         logging.shutdown()
         os._exit(EXIT_FAILED)
 

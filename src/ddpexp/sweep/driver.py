@@ -8,9 +8,10 @@ With ``resume=auto`` and the sweep dir of an earlier sweep, jobs whose dir holds
 ddpexp's ``resume=auto`` continues their last checkpoint. A failing job does not stop the
 others (unless ``fail_fast``). A job over ``timeout_s`` is stopped, and so is every job when
 SIGTERM/SIGINT stops the sweep: asked first (ddpexp saves a checkpoint), forced
-``kill_grace_s`` later. At the end of every ``launch()`` the sweep's table is written
-(``summary.csv``/``summary.md``) and printed, and each job that failed, or that a signal
-interrupted, is listed with its overrides and cause.
+``kill_grace_s`` later. A job dir that a live run holds (:mod:`ddpexp.config.runlock`) is
+not run, and a ``launch()`` that meets one is refused as a whole. At the end of every
+``launch()`` the sweep's table is written (``summary.csv``/``summary.md``) and printed, and
+each job that failed, or that a signal interrupted, is listed with its overrides and cause.
 
 :class:`Driver` is the non-blocking core: ``start()`` hands a job to the backend (or says
 there is no room), ``wait_any()`` returns the jobs that ended, each with its JobReturn. The
@@ -32,9 +33,10 @@ from hydra.core.utils import JobReturn, JobStatus, configure_log, setup_globals
 from hydra.errors import CompactHydraException
 from omegaconf import OmegaConf, open_dict
 
+from ddpexp.config import runlock
 from ddpexp.config.cli import continue_sweep
-from ddpexp.config.rundir import drop_unused_claims
-from ddpexp.errors import RunInterrupted
+from ddpexp.config.rundir import drop_unused_claims, shared_by
+from ddpexp.errors import RunDirBusy, RunInterrupted
 from ddpexp.record import FINISHED, read_metrics_or_empty
 from ddpexp.sweep.backend import (
     Backend,
@@ -60,12 +62,13 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]],
     backend = backend_of(launcher)
     assert backend is not None, "launch() runs on a launcher that offers a backend"
     sweep_dir = begin(launcher)
+    jobs = [prepare(launcher, list(o), i, sweep_dir)
+            for i, o in enumerate(job_overrides, start=initial_job_idx)]
+    _refuse_busy(jobs)
     backend.prepare()
     _prepare_loggers(launcher.config, sweep_dir)
     log.info("%s: %d job(s) in %s, %s", _name(launcher), len(job_overrides), sweep_dir,
              backend.describe())
-    jobs = [prepare(launcher, list(o), i, sweep_dir)
-            for i, o in enumerate(job_overrides, start=initial_job_idx)]
     pending = [j for j in jobs if j.ret is None]
     failed = any(j.ret is not None and j.outcome == "failed" for j in jobs)
     fail_fast = bool(getattr(launcher, "fail_fast", False))
@@ -92,6 +95,15 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]],
             f"the sweep was stopped by {driver.stopped}. To finish it, {continue_sweep(sweep_dir)}"
         )
     return [j.ret for j in jobs]  # pyright: ignore[reportReturnType]  # every job has ended: each has its JobReturn
+
+
+def _refuse_busy(jobs: list[Job]) -> None:
+    """A sweep (resumed) whose job dirs a live run holds is another process's sweep, still
+    running: refused as a whole, before any job starts or the summary is rewritten."""
+    busy = [j for j in jobs if j.ret is not None and isinstance(j.ret._return_value, RunDirBusy)]
+    if busy:
+        more = f" ({len(busy)} of this sweep's job dirs are in use)" if len(busy) > 1 else ""
+        raise RunDirBusy(str(busy[0].ret._return_value) + more)  # pyright: ignore[reportOptionalMemberAccess]  # busy jobs have their ret
 
 
 def _name(launcher: Any) -> str:
@@ -144,6 +156,11 @@ def prepare(launcher: Any, overrides: list[str], idx: int, sweep_dir: Path) -> J
         job.workers = job_workers(cfg)
     except Exception as exc:
         job.ret = JobReturn(overrides=overrides, status=JobStatus.FAILED, _return_value=exc)
+        return job
+    refused = runlock.busy(job.dir, shared_by(cfg))
+    if refused:  # its own claim would refuse it: no process is started for it
+        job.ret = JobReturn(overrides=overrides, cfg=cfg, status=JobStatus.FAILED,
+                            _return_value=RunDirBusy(refused))
         return job
     if OmegaConf.select(cfg, "resume", default=None) == "auto":
         _check_resume(job)
