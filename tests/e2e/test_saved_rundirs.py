@@ -101,6 +101,11 @@ def test_saved_run_resumes_to_the_end(name: str, extra: list, tmp_path: Path, mo
     assert code == 0, out
     after = read_metrics(run_dir)
     assert after["status"] == "completed"
+    # What this resume changed, and nothing that only this version's defaults changed (0.1.0
+    # logged the lr every step, this version every 20) or added (flush_timeout_s).
+    changed = {c["key"] for c in after["resume_changes"]}
+    assert "trainer.max_epochs" in changed
+    assert changed <= {"trainer.max_epochs", "trainer.procs", "trainer.strategy"}, changed
     assert after["epochs"] == before["epochs"] + 1
     assert after["history"][: len(before["history"])] == before["history"]
     # Saved as this strategy saves it: a sharded dir under fsdp, else one file.

@@ -215,3 +215,38 @@ def test_a_restart_refuses_a_changed_shard_of_the_runs_own_checkpoint(trainer_fa
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=rf"checkpoint {shard} changed since it was saved"):
         state.load(restarted(), last)
+
+
+SMALL = ["data=synthetic", "data.shape=[1,4,4]", "data.num_classes=3", "data.num_samples=32",
+         "data.val_samples=16", "data.batch_size=8", "model=mlp", "model.hidden=[8]",
+         "trainer.test=false", "trainer.max_epochs=2"]
+
+
+@pytest.mark.parametrize("schedule", ["scheduler=cosine", "scheduler=onecycle", "scheduler=none"])
+def test_a_changed_lr_continues_the_schedule_at_its_step_with_the_new_value(tmp_path, schedule):
+    from helpers import build_trainer
+
+    from ddpexp.config import resume as rules
+
+    first = build_trainer(tmp_path / "first", [*SMALL, schedule, "trainer.max_steps=3"])
+    first.fit()
+    saved = torch.load(first.run_dir / "checkpoints" / "last.pt", weights_only=True)
+    t = build_trainer(tmp_path / "resumed", [*SMALL, schedule, "optimizer.lr=0.5"])
+    found = rules.changes(saved["config"], t.config)
+    assert "optimizer.lr" in [c.key for c in found]
+    applied = state.restore(t, saved, [{"key": c.key, "from": c.before, "to": c.after} for c in found])
+    assert {"key": "optimizer.lr", "from": 0.05, "to": 0.5, "step": 3} in applied
+    # A run started with lr 0.5 has, after the same 3 steps, the same lr, momentum and bounds.
+    ref = build_trainer(tmp_path / "ref", [*SMALL, schedule, "optimizer.lr=0.5"])
+    for _ in range(3):
+        ref.optimizer.step()
+        if ref.scheduler is not None:
+            ref.scheduler.step()
+    (got,), (want,) = t.optimizer.param_groups, ref.optimizer.param_groups
+    for key in ("lr", "momentum", "initial_lr", "max_lr", "min_lr"):
+        assert got.get(key) == pytest.approx(want.get(key)), key
+    if ref.scheduler is not None:
+        assert t.scheduler.base_lrs == pytest.approx(ref.scheduler.base_lrs)
+        assert t.scheduler.get_last_lr() == pytest.approx(ref.scheduler.get_last_lr())
+    # The checkpoint's own optimizer state (momentum buffers) is kept.
+    assert len(t.optimizer.state) == len(saved["optimizer"]["state"]) > 0

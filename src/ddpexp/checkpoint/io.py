@@ -515,26 +515,29 @@ def _check_kind(path: Path, fix: str | None) -> None:
             f"archive nor a pickle, the formats torch.save writes. {_fix(path, fix)}")
 
 
-def verify(path: Path | str) -> None:
+def verify(path: Path | str) -> dict:
     """Check, before any worker starts, that ``path`` loads safely: a corrupt or unsafe file
     then fails the command at once, before the run dir's metrics.json is touched. Its
     digest is checked (a sharded checkpoint's: every file); a sharded checkpoint's
-    ``meta.pt`` and index are read, its shards when it loads."""
+    ``meta.pt`` and index are read, its shards when it loads. Returns what the run's parent
+    reads of it: ``config`` (the resolved config it was trained with, None in a checkpoint
+    that lacks it), ``epoch`` and ``step``."""
     path = Path(path)
     if path.is_dir():
         if not is_sharded(path):
             raise CheckpointError(f"{path} is a directory, not a checkpoint (a sharded one holds "
                                   f".metadata and {META})")
         check_digest(path)
-        _load_meta(path)
+        state = _load_meta(path)
         import torch.distributed.checkpoint as dcp
 
         try:
             dcp.FileSystemReader(str(path)).read_metadata()
         except Exception as exc:  # torch raises what its unpickler or the file system did
             raise _corrupt(path / ".metadata", exc) from None
-        return
-    load(path, mmap=True)
+    else:
+        state = load(path, mmap=True)
+    return {key: state.get(key) for key in ("config", "epoch", "step")}
 
 
 def _corrupt(path: Path, exc: BaseException, fix: str | None = None) -> CheckpointError:

@@ -60,6 +60,9 @@ class RunSpec:
     in_process: bool = False
     eval_checkpoint: Path | None = None
     eval_split: str = "test"
+    # What this resume changes against the checkpoint's config, each change the parent let
+    # through: [{"key", "from", "to"}] (ddpexp.config.resume).
+    resume_changes: list = field(default_factory=list)
 
     @classmethod
     def build(cls, config: Mapping[str, Any], plan: Plan, run_dir: Path, log_file: Path,

@@ -34,6 +34,7 @@ from ddpexp.errors import ConfigError, DdpexpError, RunDiverged, RunFailed, RunI
 from ddpexp.launch import ranks
 from ddpexp.launch.failures import describe_elastic_failure, describe_own_failure, guard_run
 from ddpexp.launch.resources import check_resources, oom_kills
+from ddpexp.launch.resume import checked_changes
 from ddpexp.launch.watchdog import Watchdog
 from ddpexp.launch.world import OWN_WORKER_ENV, World, detect
 from ddpexp.record import record_failure, record_wall_time, run_started
@@ -132,9 +133,13 @@ def _prepare(cfg: DictConfig, hydra_cfg: Any, run_dir: Path, world: World | None
         if last is not None:
             log.info("requeued submitit job: continuing %s", last)
             resume = last
-    if resume is not None:
-        checkpoint.verify(resume)
-    return dataclasses.replace(spec, resume_from=resume)
+    if resume is None:
+        return spec
+    saved = checkpoint.verify(resume)
+    # What the resume changes, refused here (before a worker starts or a line is logged)
+    # where the checkpoint cannot take it; the trainer applies the rest.
+    changes = checked_changes(saved["config"], spec.config, cfg.resume, run_dir, hydra_cfg)
+    return dataclasses.replace(spec, resume_from=resume, resume_changes=changes)
 
 
 def _record_refusal(cfg: DictConfig, run_dir: Path, exc: BaseException) -> None:

@@ -89,7 +89,7 @@ def run_worker(spec: RunSpec, store: dist.Store | None = None) -> dict | None:
             result = trainer.evaluate_checkpoint(spec.eval_checkpoint, spec.eval_split)
             interrupted = False
         else:
-            result = trainer.fit(resume_from)
+            result = trainer.fit(resume_from, spec.resume_changes)
             interrupted = result["status"] == "interrupted"
         if interrupted and ctx.world_size > 1:
             dist.barrier()  # rank 0 has written metrics.json: nobody exits before that

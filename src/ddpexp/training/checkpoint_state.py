@@ -46,8 +46,10 @@ counter under ``early_stop``; it still resumes.
 
 from __future__ import annotations
 
+import copy
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -57,6 +59,7 @@ import torch.distributed as dist
 from ddpexp.callbacks.base import Dispatch, TrainerView
 from ddpexp.checkpoint import io as ckpt_io
 from ddpexp.checkpoint import portable
+from ddpexp.config.resume import value_at
 from ddpexp.errors import CheckpointError, ConfigError
 from ddpexp.runtime.dist import DistContext, rng_state, set_rng_state
 
@@ -118,9 +121,10 @@ def gather(trainer: Trainer) -> dict | None:
     return state
 
 
-def load(trainer: Trainer, path: Path) -> None:
+def load(trainer: Trainer, path: Path, changes: Sequence[Mapping[str, Any]] = ()) -> list[dict]:
     """Resume ``trainer`` from the checkpoint at ``path``, a file or a sharded directory
-    written at any world size (every rank reads it)."""
+    written at any world size (every rank reads it), with the config ``changes`` that the
+    run's parent let through applied (see :func:`restore`); returns those applied."""
     sharded = ckpt_io.is_sharded(path)
     if sharded and trainer.ctx.restart > 0:
         _check_shards(trainer, path)
@@ -150,7 +154,7 @@ def load(trainer: Trainer, path: Path) -> None:
             f"run); resume from its run's checkpoints/{ckpt_io.LAST}, or evaluate it with "
             "python -m ddpexp.eval")
     try:
-        restore(trainer, state)
+        return restore(trainer, state, changes)
     except (RuntimeError, KeyError, ValueError, TypeError) as exc:
         text = " ".join(str(exc).split())
         raise ConfigError(
@@ -176,11 +180,14 @@ def _check_shards(trainer: Trainer, path: Path) -> None:
         raise CheckpointError(problem[0])
 
 
-def restore(trainer: Trainer, state: dict) -> None:
+def restore(trainer: Trainer, state: dict, changes: Sequence[Mapping[str, Any]] = ()) -> list[dict]:
     """Give ``trainer`` what :func:`gather` saved. Random states and unlogged training sums
     are restored only when the world size is the same (else the run is not bit-exact, and a
-    warning says so)."""
+    warning says so). ``changes`` (``{"key", "from", "to"}``, :mod:`ddpexp.config.resume`)
+    are then applied from the checkpoint's step (:func:`_apply_changes`); returns those
+    applied, each with its ``step``."""
     t, is_main = trainer, trainer.is_main
+    fresh = _Fresh.of(t)  # what this run's config built, before the checkpoint overwrites it
     t.callbacks.fire("on_load_checkpoint", t, state)
     if "raw_model" in state:  # an average that no callback took: continue the trained weights
         if is_main:
@@ -190,7 +197,7 @@ def restore(trainer: Trainer, state: dict) -> None:
     t.module.load_state_dict(state["model"])
     t.strategy.load_optimizer(t.module, t.optimizer, state["optimizer"])
     if t.scheduler is not None and state.get("scheduler") is not None:
-        t.scheduler.load_state_dict(_schedule_progress(state["scheduler"]))
+        t.scheduler.load_state_dict(_schedule_progress(state["scheduler"], fresh.schedule))
     if state.get("scaler") is not None and t.scaler.is_enabled():
         t.scaler.load_state_dict(state["scaler"])
     batch = _batch_here(state, t.data.batch_size * t.world_size, is_main)
@@ -206,6 +213,7 @@ def restore(trainer: Trainer, state: dict) -> None:
         log.warning("checkpoint written by %d workers, resumed on %d: random streams start "
                     "afresh, so the run is not bit-identical to an uninterrupted one",
                     state["world_size"], t.world_size)
+    return _apply_changes(t, state, changes, fresh)
 
 
 def _batch_here(state: dict, global_batch: int, is_main: bool) -> int:
@@ -271,11 +279,83 @@ def model_difference(mine: Mapping[str, torch.Tensor], saved: Mapping[str, Any],
     return "; ".join(parts)
 
 
-def _schedule_progress(state: dict) -> dict:
-    """A scheduler state without LambdaLR's saved lr-multiplier attributes: the schedule's
-    shape (total steps, warm-up) comes from this run's config, only its progress from the
+def _schedule_progress(state: dict, fresh: dict | None) -> dict:
+    """A scheduler state whose shape (total steps, warm-up: LambdaLR's lr multipliers,
+    OneCycleLR's phases) comes from this run's config, only its progress from the
     checkpoint. Otherwise a run first stopped by a smaller max_steps/max_epochs would keep
     that run's length after ``resume=`` extends it."""
+    state = {**state, **{k: fresh[k] for k in _SCHEDULE_SHAPE if fresh and k in fresh and k in state}}
     if "lr_lambdas" not in state:
         return state
     return {**state, "lr_lambdas": [None] * len(state["lr_lambdas"])}
+
+
+# Scheduler attributes made from the config, not from the steps taken (OneCycleLR's).
+_SCHEDULE_SHAPE = ("total_steps", "_schedule_phases")
+# Param-group entries that schedulers add from the config (the lr a schedule starts from,
+# OneCycleLR's bounds and momentum range).
+_SCHEDULE_GROUP_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum"})
+
+
+@dataclass(frozen=True)
+class _Fresh:
+    """What this run's config built before a checkpoint was loaded over it: each param
+    group's hyperparameters and the scheduler's state."""
+
+    groups: list[dict]
+    schedule: dict | None
+
+    @classmethod
+    def of(cls, trainer: Trainer) -> _Fresh:
+        groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+                  for g in trainer.optimizer.param_groups]
+        schedule = trainer.scheduler.state_dict() if trainer.scheduler is not None else None
+        return cls(groups, schedule)
+
+
+def _apply_changes(t: Trainer, state: dict, changes: Sequence[Mapping[str, Any]],
+                   fresh: _Fresh) -> list[dict]:
+    """Apply ``changes`` to the restored trainer from the checkpoint's step. Optimizer
+    values are written into every param group; with a schedule, its base values become the
+    new ones and the current lr (and OneCycleLR's momentum) is the schedule's at its step
+    with them: ``optimizer.lr=0.5`` under a cosine schedule halfway through gives
+    0.5 x the cosine factor there. Other keys act through the config the trainer was built
+    from. A change already in the checkpoint's config (a restart of this resume's workers
+    from a checkpoint it wrote) is not applied again."""
+    saved = state.get("config") or {}
+    pending = [dict(c) for c in changes if value_at(saved, c["key"]) != c["to"]]
+    if not pending:
+        return []
+    keys = [c["key"] for c in pending]
+    names = {k.split(".", 1)[1] for k in keys if k.startswith("optimizer.")}
+    schedule_changed = bool(names) or any(k.startswith("scheduler.") for k in keys)
+    for group, new in zip(t.optimizer.param_groups, fresh.groups, strict=False):
+        for name in new.keys() & (names | (_SCHEDULE_GROUP_KEYS if schedule_changed else set())):
+            group[name] = copy.deepcopy(new[name])
+    if t.scheduler is not None:
+        if schedule_changed and fresh.schedule is not None and "base_lrs" in fresh.schedule:
+            t.scheduler.base_lrs = list(fresh.schedule["base_lrs"])
+        _reschedule(t.scheduler, t.optimizer)
+    return [{**c, "step": t.state.step} for c in pending]
+
+
+def _reschedule(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Set each param group's lr to what ``scheduler`` gives at its step (closed form: the
+    built-in schedules' LambdaLR and OneCycleLR, or a scheduler's ``_get_closed_form_lr``);
+    a schedule that only knows its next lr from the current one is left as it is."""
+    from torch.optim.lr_scheduler import LambdaLR, OneCycleLR
+
+    if hasattr(scheduler, "_get_closed_form_lr"):
+        lrs = scheduler._get_closed_form_lr()
+    elif isinstance(scheduler, (LambdaLR, OneCycleLR)):
+        within = getattr(scheduler, "_get_lr_called_within_step", False)
+        scheduler._get_lr_called_within_step = True  # asked on purpose: no warning
+        try:
+            lrs = scheduler.get_lr()
+        finally:
+            scheduler._get_lr_called_within_step = within
+    else:
+        return
+    for group, lr in zip(optimizer.param_groups, lrs, strict=False):
+        group["lr"] = lr
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

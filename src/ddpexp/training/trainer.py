@@ -35,13 +35,14 @@ from ddpexp import strategies
 from ddpexp.callbacks.base import Callback, Dispatch
 from ddpexp.callbacks.checkpoint import ModelCheckpoint
 from ddpexp.callbacks.state import Best, RunState
+from ddpexp.config.resume import shown
 from ddpexp.config.schema import TrainerConfig, trainer_config
 from ddpexp.config.spec import RunSpec
 from ddpexp.data.base import DataSource
 from ddpexp.errors import ConfigError
 from ddpexp.loggers import RunInfo, run_name
 from ddpexp.loggers.collection import Loggers
-from ddpexp.record import FINISHED, write_metrics
+from ddpexp.record import FINISHED, read_metrics_or_empty, write_metrics
 from ddpexp.runtime.dist import DistContext, derive_seed, seed_everything
 from ddpexp.runtime.heartbeat import (
     BACKWARD,
@@ -286,6 +287,7 @@ class Trainer:
         self.test_metrics: dict = {}  # test/<name> of best.pt and its epoch, once tested
         self.started = time.time()
         self.resumed = False
+        self.resume_changes: list[dict] = []  # metrics.json's, every resume's (rank 0)
         self.train_means = RunningMeans(self.device)  # training metrics not yet logged
         self.logged: dict[str, float] = {}  # the latest logged training metrics (rank 0)
         self._last_log_time = time.perf_counter()
@@ -296,11 +298,14 @@ class Trainer:
         self.agreement = Agreement(self.ctx.rank, self.ctx.world_size, self.device, self.divergence)
 
     # ------------------------------------------------------------------ the run
-    def fit(self, resume_from: Path | None = None) -> dict:
+    def fit(self, resume_from: Path | None = None,
+            resume_changes: Sequence[Mapping[str, Any]] = ()) -> dict:
         """Train to ``max_epochs``/``max_steps`` (or until stopped) and return the metrics
-        that ``metrics.json`` holds."""
+        that ``metrics.json`` holds. ``resume_changes``: the config changes against the
+        checkpoint's that the run's parent let through (``RunSpec.resume_changes``), applied
+        from the resumed step."""
         if resume_from is not None:
-            self._load(resume_from)
+            self._load(resume_from, resume_changes)
             if self.ctx.is_main:
                 # This attempt's record from here on: one that fails now is not taken for
                 # the earlier attempt's (completed) run.
@@ -607,11 +612,19 @@ class Trainer:
                         name or "another rank got a stop signal", self.epoch, self.step)
 
     # ------------------------------------------------------------------ state
-    def _load(self, path: Path) -> None:
-        schema.load(self, path)
+    def _load(self, path: Path, changes: Sequence[Mapping[str, Any]] = ()) -> None:
+        applied = schema.load(self, path, changes)
         self.resumed = True
-        if self.ctx.is_main:
-            log.info("resumed from %s at epoch %d, batch %d, step %d", path, self.epoch, self.batch, self.step)
+        if not self.ctx.is_main:
+            return
+        log.info("resumed from %s at epoch %d, batch %d, step %d", path, self.epoch, self.batch, self.step)
+        for change in applied:
+            log.info("resume: %s %s -> %s (applies from step %d)", change["key"],
+                     shown(change["from"]), shown(change["to"]), change["step"])
+        # Every resume's changes, this one's after the earlier ones' (a restart that applies
+        # the same change again is listed once).
+        earlier = read_metrics_or_empty(self.run_dir).get("resume_changes") or []
+        self.resume_changes = [*earlier, *(c for c in applied if c not in earlier)]
 
     def _result(self) -> dict:
         return {
@@ -630,6 +643,7 @@ class Trainer:
                if self.status == "interrupted" and self.agreement.signal else {}),
             **({"stop_reason": self.agreement.reason} if self.status in STOP_STATUSES else {}),
             **({"test": self.test_metrics} if self.test_metrics else {}),
+            **({"resume_changes": self.resume_changes} if self.resume_changes else {}),
             **({"diverged_at_step": self.divergence.at["step"], "error": self.divergence_message()}
                if self.status == "diverged" and self.divergence.at is not None else {}),
         }
