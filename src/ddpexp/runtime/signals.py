@@ -50,7 +50,7 @@ class StopRequested:
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signum is not None:
             if self.escalate:
-                raise KeyboardInterrupt
+                raise SecondSignal
             return
         self.signum = signum
 
@@ -61,6 +61,11 @@ class StopRequested:
 
     def __bool__(self) -> bool:
         return self.signum is not None
+
+
+class SecondSignal(KeyboardInterrupt):
+    """A second stop signal to a process of its own: the user asked twice, so the run stops
+    at once, without the checkpoint the first one was waiting for."""
 
 
 class Interrupted(Exception):
