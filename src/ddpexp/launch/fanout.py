@@ -37,7 +37,7 @@ from ddpexp.launch.failures import (
     guard_run,
     resume_hint,
 )
-from ddpexp.launch.resources import check_resources, oom_kills
+from ddpexp.launch.resources import check_resources, node_cores, oom_kills
 from ddpexp.launch.watchdog import Watchdog
 from ddpexp.launch.world import OWN_WORKER_ENV, World, detect
 from ddpexp.record import record_failure, record_wall_time, run_started
@@ -120,7 +120,7 @@ def _prepare(cfg: DictConfig, hydra_cfg: Any, run_dir: Path, world: World | None
 
     validate(cfg)
     plan = world_plan(cfg.trainer, world) if world is not None else plan_run(cfg.trainer)
-    check_resources(plan)
+    check_resources(plan, cores=node_cores(launched_elsewhere=True) if world is not None else None)
     try:
         plain = to_plain(cfg)
     except OmegaConfBaseException as exc:
