@@ -115,7 +115,24 @@ def test_mpirun_is_one_run(workdir, mpirun):
     assert res.returncode == 0, res.output
     assert not res.leftovers
     assert "2 worker(s) (MPI ranks)" in res.output
+    # mpirun binds each of the 2 ranks to a core of its own: they do not share one.
+    assert "CPU workers on" not in res.output or len(os.sched_getaffinity(0)) < 2, res.output
     one_run(workdir, 2)
+
+
+@pytest.mark.host
+def test_a_rank_sigkilled_under_mpirun_is_named_and_recorded(workdir, mpirun):
+    """Rank 1 SIGKILLed at its 6th forward (epoch 1): mpirun then SIGKILLs rank 0 two
+    seconds later, by which time rank 0 has named the rank and marked the run failed."""
+    res = finish(start([mpirun, "-np", "2", "--allow-run-as-root", "--oversubscribe",
+                        sys.executable, "-m", "ddpexp", *TINY, "model._target_=faulty.Faulty",
+                        "+model.mode=kill", "+model.at_call=6"], workdir), 240)
+    assert res.returncode != 0
+    assert not res.leftovers
+    assert ("a worker failed, so the whole run was stopped:\n  rank 1 died without a Python "
+            "error (killed by a signal") in res.stderr, res.output
+    metrics = read_metrics(only_run_dir(workdir))
+    assert metrics["status"] == "failed" and "rank 1 died" in metrics["error"], metrics
 
 
 def test_a_raising_rank_under_torchrun_is_named_and_recorded(workdir):
