@@ -39,6 +39,7 @@ def cli() -> None:
     try:
         _cli()
     except KeyboardInterrupt:
+        forkserver.discard_early()
         _stopped_before_the_run()
     finally:
         forkserver.discard_early()  # the command did not sweep through ddpexp's launcher
@@ -62,7 +63,10 @@ def _stopped_before_the_run() -> None:
     if os.environ.get("HYDRA_FULL_ERROR", "").lower() not in ("", "0", "false", "no"):
         raise
     print("stopped by SIGINT before the run started; nothing was saved", file=sys.stderr)
-    sys.exit(130)
+    sys.stderr.flush()
+    # Not sys.exit: a Ctrl-C that cut into code an extension ran (PyRun_String) leaves the
+    # interpreter set to end by SIGINT whatever status it is given.
+    os._exit(130)
 
 
 def _cli() -> None:

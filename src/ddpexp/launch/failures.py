@@ -97,10 +97,12 @@ def guard_run(task: Callable[[Any], Any]) -> Callable[[Any], Any]:
             with quiet_logging_errors():
                 return task(cfg)
         except KeyboardInterrupt as interrupt:
-            # Raised by Python's own handler for a Ctrl-C that came before the trainer took
-            # SIGINT over (while the data loads, say), or by the trainer's for a second one.
+            # Raised by Python's own handler for a Ctrl-C that came while the trainer did not
+            # listen for it (while the data loads, say, or during the test of best.pt), or by
+            # the trainer's for a second one.
             when = ("a second SIGINT, before the checkpoint of the first was saved" if
-                    isinstance(interrupt, SecondSignal) else "SIGINT before training began")
+                    isinstance(interrupt, SecondSignal) else "SIGINT" if has_checkpoint(run_dir)
+                    else "SIGINT before training began")
             exc: BaseException = RunInterrupted(f"stopped by {when}; " + resume_hint(
                 run_dir, hydra_cfg), signal="SIGINT")
             record_failure(run_dir, exc, started)

@@ -46,6 +46,13 @@ class StopRequested:
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        if self.signum is not None and self.escalate and signal.SIGINT in self._previous:
+            # The run is stopping on the first signal (its checkpoint, its record): a Ctrl-C
+            # from here on is still the user's second one.
+            signal.signal(signal.SIGINT, self._second)
+
+    def _second(self, signum: int, frame: Any) -> None:
+        raise SecondSignal
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signum is not None:
