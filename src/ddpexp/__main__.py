@@ -38,8 +38,35 @@ def cli() -> None:
     forkserver.start_early(sys.argv[1:])
     try:
         _cli()
+    except KeyboardInterrupt:
+        forkserver.discard_early()
+        _stopped_before_the_run()
     finally:
         forkserver.discard_early()  # the command did not sweep through ddpexp's launcher
+
+
+def _stopped_before_the_run() -> None:
+    """Ctrl-C while Python imports or Hydra composes the config, before a run began (a
+    run's own Ctrl-C is its guard's, :func:`ddpexp.launch.failures.guard_run`): one line,
+    exit status 130 (128 + SIGINT, as a shell reports it), and no run dir left behind.
+    ``HYDRA_FULL_ERROR=1`` shows the traceback."""
+    import os
+    import signal
+    import sys
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while this tidies up
+    # Nothing is imported here: the Ctrl-C may have cut an import short (Hydra's, half
+    # done). A run dir was claimed only if the module that claims them was loaded.
+    rundir = sys.modules.get("ddpexp.config.rundir")
+    if rundir is not None:
+        rundir.drop_unstarted_claims()
+    if os.environ.get("HYDRA_FULL_ERROR", "").lower() not in ("", "0", "false", "no"):
+        raise
+    print("stopped by SIGINT before the run started; nothing was saved", file=sys.stderr)
+    sys.stderr.flush()
+    # Not sys.exit: a Ctrl-C that cut into code an extension ran (PyRun_String) leaves the
+    # interpreter set to end by SIGINT whatever status it is given.
+    os._exit(130)
 
 
 def _cli() -> None:

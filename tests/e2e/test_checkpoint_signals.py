@@ -16,6 +16,7 @@ from helpers import (
     read_metrics,
     run_cli,
     run_cli_in_process,
+    run_dirs,
     run_printed,
     session_pids,
     start_cli,
@@ -244,3 +245,44 @@ def test_a_second_sigint_still_leaves_a_status(workdir):
     metrics = read_metrics(run_dir)
     assert metrics["status"] == "interrupted"
     assert "second SIGINT" in metrics.get("error", "") or metrics.get("stopped_by") == "SIGINT"
+
+
+EARLY = ["data=synthetic", "data.shape=[6]", "data.num_classes=3", "data.num_samples=64",
+         "data.val_samples=32", "data.test_samples=0", "model=mlp", "model.hidden=[16]",
+         "trainer.max_epochs=1"]
+
+
+def test_one_ctrl_c_before_the_first_checkpoint_lets_the_same_command_start_again(workdir):
+    """Ctrl-C (to the process group, as a terminal sends it) while the data loads, before
+    the trainer listens for signals: the run ends interrupted, saying so once (no talk of a
+    second SIGINT, no traceback), and the same command then starts it again in its dir."""
+    started, run_dir = workdir / "loading", workdir / "outputs" / "early"
+    env = {"PYTHONPATH": os.pathsep.join([PLUGINS, os.environ.get("PYTHONPATH", "")])}
+    args = [*EARLY, "data._target_=slowdata.SlowSynthetic", f"+data.started={started}",
+            f"hydra.run.dir={run_dir}"]
+    proc = start_cli(args, workdir, env)
+    wait_for(started, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    res = finish(proc, 60)
+    assert not res.leftovers and res.returncode != 0
+    assert "Traceback" not in res.output and "second" not in res.output, res.output
+    assert res.stderr.startswith("stopped by SIGINT before training began; no checkpoint was "
+                                 "saved yet."), res.stderr
+    assert f"resume=auto {command_line_override('hydra.run.dir', run_dir)} " in res.stderr
+    assert read_metrics(run_dir)["status"] == "interrupted"
+    again = run_cli(args, workdir, env=env)
+    assert "completed: 1 epochs" in again.output
+    assert read_metrics(run_dir)["status"] == "completed"
+
+
+def test_ctrl_c_while_python_starts_is_one_line_and_no_run_dir(workdir):
+    """Ctrl-C half a second in (imports, Hydra composing the config): exit status 130, one
+    line, no traceback, and no run dir."""
+    proc = start_cli(EARLY, workdir)
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)
+    res = finish(proc, 60)
+    assert not res.leftovers
+    assert res.returncode == 130, res.output
+    assert res.stderr == "stopped by SIGINT before the run started; nothing was saved\n"
+    assert not run_dirs(workdir / "outputs")

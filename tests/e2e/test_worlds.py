@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import finish, only_run_dir, read_metrics, run_dirs
+from helpers import finish, only_run_dir, read_metrics, run_dirs, run_printed
 
 PLUGINS = str(Path(__file__).parents[1] / "plugins")
 TINY = ["data=synthetic", "data.shape=[6]", "data.num_classes=3", "data.num_samples=256",
@@ -115,7 +116,24 @@ def test_mpirun_is_one_run(workdir, mpirun):
     assert res.returncode == 0, res.output
     assert not res.leftovers
     assert "2 worker(s) (MPI ranks)" in res.output
+    # mpirun binds each of the 2 ranks to a core of its own: they do not share one.
+    assert "CPU workers on" not in res.output or len(os.sched_getaffinity(0)) < 2, res.output
     one_run(workdir, 2)
+
+
+@pytest.mark.host
+def test_a_rank_sigkilled_under_mpirun_is_named_and_recorded(workdir, mpirun):
+    """Rank 1 SIGKILLed at its 6th forward (epoch 1): mpirun then SIGKILLs rank 0 two
+    seconds later, by which time rank 0 has named the rank and marked the run failed."""
+    res = finish(start([mpirun, "-np", "2", "--allow-run-as-root", "--oversubscribe",
+                        sys.executable, "-m", "ddpexp", *TINY, "model._target_=faulty.Faulty",
+                        "+model.mode=kill", "+model.at_call=6"], workdir), 240)
+    assert res.returncode != 0
+    assert not res.leftovers
+    assert ("a worker failed, so the whole run was stopped:\n  rank 1 died without a Python "
+            "error (killed by a signal") in res.stderr, res.output
+    metrics = read_metrics(only_run_dir(workdir))
+    assert metrics["status"] == "failed" and "rank 1 died" in metrics["error"], metrics
 
 
 def test_a_raising_rank_under_torchrun_is_named_and_recorded(workdir):
@@ -151,3 +169,36 @@ def test_torchrun_restart_resumes_the_same_run_dir(workdir):
     log = (run_dir / "ddpexp.log").read_text()
     assert "restart 1 of the worker group: resuming from" in log and "last.pt" in log
     assert [h["epoch"] for h in metrics["history"]] == [0, 1, 2]
+
+
+def test_ctrl_c_under_torchrun_is_an_interruption_with_torchruns_own_resume_command(workdir):
+    """Ctrl-C to torchrun's process group once a checkpoint is saved: ddpexp says the run
+    was stopped by SIGINT (no worker failure) with the command that continues it, torchrun
+    and every flag of it kept; pasted as printed, that command finishes the run."""
+    port = free_port()
+    launcher = [*TORCHRUN, "--nproc-per-node=2", "--master-addr=127.0.0.1",
+                f"--master-port={port}", "-m", "ddpexp"]
+    proc = start([*launcher, *TINY, "trainer.max_epochs=50", "trainer.ckpt_every_steps=3"],
+                 workdir)
+    deadline = time.time() + 180
+    while not list((workdir / "outputs").glob("*/*/checkpoints/last.pt")):
+        assert proc.poll() is None and time.time() < deadline, finish(proc, 10).output
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    res = finish(proc, 90)
+    assert res.returncode != 0 and not res.leftovers
+    assert "stopped by SIGINT; the last checkpoint is in" in res.stderr, res.output
+    assert "workers failed" not in res.output and "SystemExit" not in res.output, res.output
+    run_dir = only_run_dir(workdir)
+    assert read_metrics(run_dir)["status"] == "interrupted"
+    printed = res.stderr.split("Continue it with:\n", 1)[1].splitlines()[0].strip()
+    # The interpreter as PATH finds it, where it finds this one.
+    name = Path(sys.executable).name
+    python = name if shutil.which(name) == sys.executable else sys.executable
+    assert printed.startswith(f"{python} -m torch.distributed.run --nproc-per-node=2 "
+                              f"--master-addr=127.0.0.1 --master-port={port} -m ddpexp "
+                              f"resume={run_dir} "), printed
+    again = run_printed(printed, workdir, 240, {"PYTHONPATH": os.pathsep.join(
+        filter(None, [PLUGINS, os.environ.get("PYTHONPATH")]))})
+    assert "resumed from" in again.output
+    assert read_metrics(run_dir)["status"] == "completed"

@@ -111,3 +111,17 @@ def test_unused_claims_are_dropped_with_the_parents_they_leave_empty(tmp_path, m
     rundir.drop_unused_claims(used)
     assert not stray.exists() and used.is_dir() and (kept / "notes.txt").exists()
     assert (tmp_path / "outputs").is_dir()
+
+
+def test_a_run_interrupted_before_training_may_be_started_again_in_its_dir(tmp_path):
+    (tmp_path / "metrics.json").write_text('{"status": "interrupted", "wall_time_s": 2.0}')
+    assert rundir.interrupted_before_training(tmp_path)
+    (tmp_path / "checkpoints").mkdir()
+    assert rundir.interrupted_before_training(tmp_path)  # an empty checkpoints/ holds nothing
+    (tmp_path / "checkpoints" / "last.pt").write_bytes(b"")
+    assert rundir.has_checkpoint(tmp_path) and not rundir.interrupted_before_training(tmp_path)
+    (tmp_path / "checkpoints" / "last.pt").unlink()
+    (tmp_path / "metrics.json").write_text('{"status": "interrupted", "steps": 3}')
+    assert not rundir.interrupted_before_training(tmp_path)
+    (tmp_path / "metrics.json").write_text('{"status": "failed"}')
+    assert not rundir.interrupted_before_training(tmp_path)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -53,3 +56,16 @@ def test_memory_available_reads_proc():
 def test_oom_kills_is_count_or_unknown():
     kills = resources.oom_kills()
     assert kills is None or kills >= 0
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs an affinity mask of two cores or more")
+def test_a_rank_bound_to_one_core_counts_its_launchers_cores():
+    """As mpirun binds each rank to a core of its own: the rank's mask is one core, its
+    parent's (this test process, the launcher here) all of them."""
+    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+            "from ddpexp.launch.resources import node_cores; "
+            "print(node_cores(), node_cores(launched_elsewhere=True))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split()
+    assert out == ["1", str(len(os.sched_getaffinity(0)))]

@@ -11,8 +11,8 @@ import pytest
 
 from ddpexp.errors import ConfigError
 from ddpexp.launch import ranks
-from ddpexp.launch.failures import describe_step_failure
-from ddpexp.launch.fanout import _resume_hint, world_plan
+from ddpexp.launch.failures import describe_step_failure, resume_hint
+from ddpexp.launch.fanout import world_plan
 from ddpexp.launch.world import PORT_BASE, PORT_SPAN, detect
 
 
@@ -95,10 +95,15 @@ def test_workers_that_disagree_with_the_tasks_are_refused(step_env):
 def test_the_resume_hint_repeats_the_srun(step_env, tmp_path, monkeypatch):
     hydra_cfg = SimpleNamespace(mode=None)  # a run, not a sweep
     monkeypatch.setattr("sys.argv", ["ddpexp", "model=mlp", "hydra.run.dir=x"])
-    hint = _resume_hint(tmp_path, hydra_cfg)
+    # No checkpoint yet: the hint starts the run again in its dir.
+    assert (f"Start it again in {tmp_path} with:\n  srun --ntasks-per-node=2 python -m ddpexp "
+            f"resume=auto hydra.run.dir={tmp_path} model=mlp") in resume_hint(tmp_path, hydra_cfg)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "last.pt").write_bytes(b"")
+    hint = resume_hint(tmp_path, hydra_cfg)
     assert f"  srun --ntasks-per-node=2 python -m ddpexp resume={tmp_path} model=mlp" in hint
     step_env(SLURM_NTASKS="4", SLURM_STEP_NUM_NODES="2")
-    assert "srun --nodes=2 --ntasks-per-node=2 python -m ddpexp" in _resume_hint(tmp_path, hydra_cfg)
+    assert "srun --nodes=2 --ntasks-per-node=2 python -m ddpexp" in resume_hint(tmp_path, hydra_cfg)
 
 
 def test_the_failure_message_names_the_cause_not_its_echoes():

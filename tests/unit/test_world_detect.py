@@ -104,3 +104,29 @@ def test_ddpexps_own_fan_out_keys_and_sweeps_are_refused_in_a_launchers_world():
     text = sweep_problem(["-m", "seed=0,1"], world)
     assert "cannot run on torchrun's workers, which are the ranks of one run" in text
     assert "cannot run on the MPI job's ranks" in sweep_problem(["--multirun"], detect(OMPI))
+
+
+def test_the_launchers_own_command_line_is_kept_up_to_ddpexps_arguments(tmp_path, monkeypatch):
+    from ddpexp.launch.world import launcher_prefix
+
+    args = ["model=mlp", "trainer.max_epochs=2"]
+    mpirun = ["mpirun", "-np", "2", "--allow-run-as-root", "--oversubscribe", "/usr/bin/python3",
+              "-m", "ddpexp", *args]
+    assert launcher_prefix(mpirun, ["/usr/bin/python3", "-m", "ddpexp", *args]) == [
+        "mpirun", "-np", "2", "--allow-run-as-root", "--oversubscribe", "/usr/bin/python3",
+        "-m", "ddpexp"]
+    # torchrun's console script run by its venv's python; the worker is `python -u -m ddpexp`.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "torchrun"
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    agent = [str(bin_dir / "python3"), str(script), "--nproc-per-node=2", "--master-port=29411",
+             "-m", "ddpexp", *args]
+    worker = [str(bin_dir / "python3"), "-u", "-m", "ddpexp", *args]
+    assert launcher_prefix(agent, worker) == ["torchrun", "--nproc-per-node=2",
+                                              "--master-port=29411", "-m", "ddpexp"]
+    # A parent that did not hand these arguments on (a shell script, orted) is no launcher.
+    assert launcher_prefix(["bash", "run.sh"], worker) is None
+    assert launcher_prefix(agent, ["python", "-m", "pytest", *args]) is None

@@ -22,6 +22,7 @@ from hydra.errors import HydraException
 from ddpexp.config import runlock
 from ddpexp.config.rundir import (
     holds_run,
+    interrupted_before_training,
     remove_run_outputs,
     rendezvous_of,
     writable_dir_problem,
@@ -217,13 +218,15 @@ SWEEP_COMMAND_ENV = "DDPEXP_SWEEP_COMMAND"
 
 
 def resume_command(args: Sequence[str], run_dir: Path | str | None = None,
-                   sweep_dir: Path | str | None = None, prefix: str = "python -m ddpexp") -> str:
+                   sweep_dir: Path | str | None = None, prefix: str = "python -m ddpexp",
+                   fresh: bool = False) -> str:
     """The command that continues the run (or, with ``sweep_dir``, the sweep) that the
     command line ``args`` started, as one line a shell runs as it is: every flag
     (``--config-dir``, ``-cp``, ``-cn``, ``-m``) and override (``+``/``~`` ones included)
     of ``args`` kept, its ``resume=`` and run dir (``hydra.run.dir``, or ``hydra.sweep.dir``
     for a sweep) replaced by ``resume=<run_dir>`` (``resume=auto
-    hydra.sweep.dir=<sweep_dir>``), each word quoted for the shell."""
+    hydra.sweep.dir=<sweep_dir>``; with ``fresh``, for a run that saved no checkpoint yet,
+    ``resume=auto hydra.run.dir=<run_dir>``), each word quoted for the shell."""
     replaced = ("resume", "hydra.sweep.dir" if sweep_dir is not None else "hydra.run.dir")
     flags, overrides, value_of_flag = [], [], False
     for arg in args:
@@ -234,6 +237,8 @@ def resume_command(args: Sequence[str], run_dir: Path | str | None = None,
         value_of_flag = arg in _VALUE_FLAGS
     if sweep_dir is not None:
         resume = ["resume=auto", command_line_override("hydra.sweep.dir", sweep_dir)]
+    elif fresh:
+        resume = ["resume=auto", command_line_override("hydra.run.dir", run_dir)]
     else:
         resume = [command_line_override("resume", run_dir)]
     # Flags first: Hydra's argument parser takes no flag after the first override.
@@ -341,7 +346,7 @@ def run_dir_conflict(args: list[str]) -> str | None:
         return None
     path = Path(target).expanduser()
     runs = [path] if not multirun else [d for d in path.iterdir() if d.is_dir()] if path.is_dir() else []
-    runs = [d for d in runs if holds_run(d)]
+    runs = [d for d in runs if holds_run(d) and not interrupted_before_training(d)]
     if not runs or values.get("resume") not in (None, "") or _shares_run_dir(values):
         return None
     if str(values.get("overwrite", False)).lower() in ("true", "1", "yes", "on"):

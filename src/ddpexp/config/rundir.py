@@ -4,6 +4,7 @@ and where Hydra saves a job's config inside one."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -66,6 +67,26 @@ def drop_unused_claims(used: Path) -> None:
             except OSError:
                 break
             path = path.parent
+
+
+def drop_unstarted_claims() -> None:
+    """Remove the run dirs this process claimed that hold nothing but Hydra's config and an
+    empty log (a run stopped before its task began), with a parent they leave empty."""
+    for claimed in claimed_dirs():
+        path = Path(claimed)
+        try:
+            entries = list(path.iterdir())
+            if not all(e.name == ".hydra" or (e.suffix == ".log" and not e.stat().st_size)
+                       for e in entries):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if path.parent.name != "outputs":
+            try:
+                path.parent.rmdir()  # only an empty one
+            except OSError:
+                pass
 
 
 def unwritable_dir_message(path: Path, exc: OSError) -> str:
@@ -186,6 +207,26 @@ RUN_OUTPUTS = (".hydra", "checkpoints", "tb", "metrics.json", "metrics.csv")
 def holds_run(path: Path) -> bool:
     """Whether ``path`` holds (part of) a ddpexp run: its config, checkpoints or metrics."""
     return any((path / name).exists() for name in (".hydra/config.yaml", "checkpoints", "metrics.json"))
+
+
+def has_checkpoint(run_dir: Path | str) -> bool:
+    """Whether the run in ``run_dir`` saved a checkpoint (``last.pt``, ``best.pt``, ...)."""
+    try:
+        return any((Path(run_dir) / "checkpoints").iterdir())
+    except OSError:
+        return False
+
+
+def interrupted_before_training(path: Path) -> bool:
+    """Whether ``path`` holds only a run that a signal stopped before it saved a checkpoint
+    or counted a step (Ctrl-C while its data loaded): nothing in it that a new run would
+    overwrite, so the same command may start the run again there."""
+    try:
+        record = json.loads((path / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(record, dict) and record.get("status") == "interrupted"
+            and not record.get("steps") and not has_checkpoint(path))
 
 
 def remove_run_outputs(run: Path) -> None:

@@ -7,8 +7,10 @@ state the user can act on. A mistake found before the first step leaves no run d
 run's dir that holds nothing but Hydra's config, the log and the failure's record is
 removed (a sweep job's stays, its error in its row); its message is the run's only output
 (Hydra's "Error executing job" line is not printed before it); a resume that
-failed before it wrote a checkpoint takes its ``.hydra/resume-N`` with it; a second Ctrl-C
-marks ``metrics.json`` interrupted instead of leaving it ``running``; and an ``OSError``
+failed before it wrote a checkpoint takes its ``.hydra/resume-N`` with it; a Ctrl-C that
+comes before the trainer listens for it (or a second one) marks ``metrics.json`` interrupted
+instead of leaving it ``running``, and says how to start or continue the run
+(:func:`resume_hint`); and an ``OSError``
 (an unreadable ``data.root``, a read-only or full disk) becomes one message naming the file
 and the fix. :func:`explain_os_error` does the last for workers too.
 
@@ -28,6 +30,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -38,12 +41,14 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from ddpexp import errors
-from ddpexp.config.cli import env_flag
-from ddpexp.config.rundir import claimed_dirs, drop_unused_claims, lock_run_dir
+from ddpexp.config.cli import continue_sweep, env_flag, resume_command
+from ddpexp.config.rundir import claimed_dirs, drop_unused_claims, has_checkpoint, lock_run_dir
 from ddpexp.config.runlock import LOCK_FILE, release
 from ddpexp.errors import ConfigError, DdpexpError, RunDirBusy, RunInterrupted
 from ddpexp.launch.resources import oom_kills
+from ddpexp.launch.world import detect
 from ddpexp.record import METRICS_FILE, read_metrics_or_empty, record_failure, run_started
+from ddpexp.runtime.signals import SecondSignal
 
 # Files written into a run dir before the task runs: Hydra's config, the run's lock.
 _HYDRA_ONLY = {".hydra", LOCK_FILE}
@@ -111,10 +116,15 @@ def _guarded(task: Callable[[Any], Any], cfg: Any, hydra_cfg: Any, run_dir: Path
     try:
         with quiet_logging_errors():
             return task(cfg)
-    except KeyboardInterrupt:
-        exc: BaseException = RunInterrupted(
-            "stopped by a second SIGINT before a checkpoint was saved; the last one (if "
-            f"any) is in {run_dir}/checkpoints", signal="SIGINT")
+    except KeyboardInterrupt as interrupt:
+        # Raised by Python's own handler for a Ctrl-C that came while the trainer did not
+        # listen for it (while the data loads, say, or during the test of best.pt), or by
+        # the trainer's for a second one.
+        when = ("a second SIGINT, before the checkpoint of the first was saved" if
+                isinstance(interrupt, SecondSignal) else "SIGINT" if has_checkpoint(run_dir)
+                else "SIGINT before training began")
+        exc: BaseException = RunInterrupted(f"stopped by {when}; " + resume_hint(
+            run_dir, hydra_cfg), signal="SIGINT")
         record_failure(run_dir, exc, started)
         _ignore_further_interrupts()
         _report(exc, hydra_cfg)
@@ -131,6 +141,25 @@ def _guarded(task: Callable[[Any], Any], cfg: Any, hydra_cfg: Any, run_dir: Path
         if exc is err and not isinstance(exc, DdpexpError):
             raise
         _report(exc, hydra_cfg)
+
+
+def resume_hint(run_dir: Path, hydra_cfg: Any = None) -> str:
+    """How to go on after an interruption: the command line that started the run (or its
+    sweep), every flag and override kept, the launcher's too, with ``resume=<run dir>``
+    (``resume=auto`` and the sweep dir). A run that saved no checkpoint yet starts again
+    from scratch in the same run dir: ``resume=auto hydra.run.dir=<run dir>``."""
+    if hydra_cfg is None and HydraConfig.initialized():
+        hydra_cfg = HydraConfig.get()
+    if hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN:
+        return (f"the last checkpoint is in {run_dir}/checkpoints. To continue the sweep, "
+                + continue_sweep(Path(str(hydra_cfg.sweep.dir)).absolute()))
+    world = detect()
+    prefix = world.command() if world is not None else "python -m ddpexp"
+    if not has_checkpoint(run_dir):
+        command = resume_command(sys.argv[1:], run_dir=run_dir, prefix=prefix, fresh=True)
+        return f"no checkpoint was saved yet. Start it again in {run_dir} with:\n  {command}"
+    command = resume_command(sys.argv[1:], run_dir=run_dir, prefix=prefix)
+    return f"the last checkpoint is in {run_dir}/checkpoints. Continue it with:\n  {command}"
 
 
 @contextlib.contextmanager

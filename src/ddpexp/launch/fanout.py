@@ -14,7 +14,6 @@ import logging
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -26,14 +25,19 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ddpexp.config.cli import continue_sweep, env_flag, resume_command
+from ddpexp.config.cli import env_flag
 from ddpexp.config.schema import to_plain
 from ddpexp.config.spec import Plan, RunSpec
 from ddpexp.config.validate import validate
 from ddpexp.errors import ConfigError, DdpexpError, RunDiverged, RunFailed, RunInterrupted
 from ddpexp.launch import ranks
-from ddpexp.launch.failures import describe_elastic_failure, describe_own_failure, guard_run
-from ddpexp.launch.resources import check_resources, oom_kills
+from ddpexp.launch.failures import (
+    describe_elastic_failure,
+    describe_own_failure,
+    guard_run,
+    resume_hint,
+)
+from ddpexp.launch.resources import check_resources, node_cores, oom_kills
 from ddpexp.launch.resume import checked_changes
 from ddpexp.launch.watchdog import Watchdog
 from ddpexp.launch.world import OWN_WORKER_ENV, World, detect
@@ -117,7 +121,7 @@ def _prepare(cfg: DictConfig, hydra_cfg: Any, run_dir: Path, world: World | None
 
     validate(cfg)
     plan = world_plan(cfg.trainer, world) if world is not None else plan_run(cfg.trainer)
-    check_resources(plan)
+    check_resources(plan, cores=node_cores(launched_elsewhere=True) if world is not None else None)
     try:
         plain = to_plain(cfg)
     except OmegaConfBaseException as exc:
@@ -199,7 +203,7 @@ def run(cfg: DictConfig) -> float | None:
     if result["status"] == "interrupted":
         by = result.get("stopped_by")
         preempt.requeue(by)
-        raise RunInterrupted((f"stopped by {by}; " if by else "") + _resume_hint(run_dir, hydra_cfg),
+        raise RunInterrupted((f"stopped by {by}; " if by else "") + resume_hint(run_dir, hydra_cfg),
                              signal=by)
     if result["status"] == "diverged":
         return _diverged(result, hydra_cfg)
@@ -397,13 +401,13 @@ def _elastic(spec: RunSpec) -> dict | None:
         if watchdog.message:
             raise RunFailed(watchdog.message) from None
         if all(f.exitcode == EXIT_INTERRUPTED for f in exc.failures.values()):
-            raise RunInterrupted(_resume_hint(spec.run_dir, None)) from None
+            raise RunInterrupted(resume_hint(spec.run_dir, None)) from None
         raise RunFailed(describe_elastic_failure(
             exc, oom_before, log_file,
             range(plan.procs) if plan.nodes == 1 else ())) from None
     except SignalException as exc:
         raise RunInterrupted(
-            f"stopped by {exc.sigval.name}; " + _resume_hint(spec.run_dir, None),
+            f"stopped by {exc.sigval.name}; " + resume_hint(spec.run_dir, None),
             signal=exc.sigval.name,
         ) from None
     finally:
@@ -414,24 +418,3 @@ def _elastic(spec: RunSpec) -> dict | None:
     if watchdog.message:  # a stall the group recovered from by a restart
         log.warning("%s", watchdog.message)
     return results.get(0)
-
-
-def _resume_hint(run_dir: Path, hydra_cfg: Any) -> str:
-    """How to continue: the command line that started the run (or its sweep), every flag and
-    override kept, with ``resume=<run dir>`` (``resume=auto`` and the sweep dir)."""
-    if hydra_cfg is None and HydraConfig.initialized():
-        hydra_cfg = HydraConfig.get()
-    where = f"the last checkpoint is in {run_dir}/checkpoints. "
-    if hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN:
-        return where + "To continue the sweep, " + continue_sweep(
-            Path(str(hydra_cfg.sweep.dir)).absolute())
-    command = resume_command(sys.argv[1:], run_dir=run_dir, prefix=_command())
-    return where + f"Continue it with:\n  {command}"
-
-
-def _command() -> str:
-    """The command that starts this run's ranks again, up to its overrides: ``python -m
-    ddpexp``, or the launcher's (``srun ...``, ``torchrun ... -m ddpexp``, ``mpirun ...``) when
-    another launcher started them, since the resumed run needs the same ranks."""
-    world = detect()
-    return world.command() if world is not None else "python -m ddpexp"

@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -136,7 +137,7 @@ class Step:
             raw = dist.PrefixStore(f"ddpexp/{world.run_id}", raw)
         step = cls(store, world, raw)
         if me != 0:
-            step.report("joined")
+            step.report("joined", host=socket.gethostname())
         return step
 
     def remember_run_dir(self, run_dir: str) -> None:
@@ -228,17 +229,40 @@ class Step:
                 break
         return out
 
+    def gone(self) -> set[int]:
+        """The ranks on this host whose process has ended: they will report nothing more.
+        mpirun, on a rank's death, sends the others SIGCONT, SIGTERM a second later and
+        SIGKILL a second after that (OpenMPI 4: ``odls_base_sigkill_timeout=1``), so
+        rank 0 cannot wait out :data:`REPORT_WAIT_S` for a rank that was SIGKILLed."""
+        host = socket.gethostname()
+        return {r for r, seen in self.reports("joined").items()
+                if seen.get("host") == host and not _alive(int(seen["pid"]))}
+
     def failure_message(self, kind: str, timeout_s: float, log_file: str) -> str:
         """Rank 0: one message for the step's failure, once the others have reported."""
         deadline = time.time() + REPORT_WAIT_S.get(kind, 3.0)
         while time.time() < deadline:
             heard = set(self.reports("failed")) | set(self.reports("stalled"))
-            if len(heard) >= self.world:
+            if len(heard) >= self.world or heard | self.gone() >= set(range(self.world)):
                 break
             time.sleep(POLL_S)
         failed, stalled = self.reports("failed"), self.reports("stalled")
         return describe_step_failure(failed, stalled, self.world, timeout_s, log_file,
                                      self.world_info.whole)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 class Listener:

@@ -35,10 +35,27 @@ def check_resources(plan: Any, available: int | None = None, cores: int | None =
             "or fewer"
         )
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        cores = node_cores()
     if cores and plan.gpus == 0 and plan.procs > cores:
         log.warning("trainer.procs=%d CPU workers on %d core(s): they will take turns on the cores "
                     "and train slower than trainer.procs=%d would", plan.procs, cores, cores)
+
+
+def node_cores(launched_elsewhere: bool = False) -> int | None:
+    """How many cores the workers of this node may use: this process's affinity mask (a
+    sweep slice, a cgroup's cpuset). With ``launched_elsewhere``, where each rank is a
+    process that another launcher started, the launcher's own mask counts too: mpirun binds
+    every rank to a core of its own (``--bind-to core``), so one rank's mask is one core even
+    though its peers have theirs, while the launcher (unbound) sees every core it gives out."""
+    if not hasattr(os, "sched_getaffinity"):
+        return os.cpu_count()
+    cores = set(os.sched_getaffinity(0))
+    if launched_elsewhere:
+        try:
+            cores |= os.sched_getaffinity(os.getppid())
+        except OSError:
+            pass
+    return len(cores)
 
 
 def memory_available() -> int | None:

@@ -22,6 +22,7 @@ from ddpexp.checkpoint.io import newest_last
 from ddpexp.config.spec import RunSpec
 from ddpexp.launch import proc
 from ddpexp.launch.failures import explain_os_error
+from ddpexp.launch.world import OWN_WORKER_ENV
 from ddpexp.runtime import dist as ddist
 from ddpexp.strategies.registry import strategy_class
 from ddpexp.training.trainer import Trainer
@@ -101,11 +102,13 @@ def run_worker(spec: RunSpec, store: dist.Store | None = None) -> dict | None:
         raise
     finally:
         ddist.destroy_process_group()
-    if interrupted and "TORCHELASTIC_RUN_ID" in os.environ:
+    if interrupted and os.environ.get(OWN_WORKER_ENV):
         # torch elastic's worker wrapper would now wait for the agent to collect the return
         # value, but an agent shutting down on a signal never does: it would wait
         # trainer.shutdown_grace_s and then SIGKILL. The checkpoint is on disk: exit now,
         # with a code the launcher reads as "interrupted" should the agent not be stopping.
+        # (A rank that torchrun started runs Hydra's task itself: rank 0 returns, to report
+        # the interruption and how to continue.)
         logging.shutdown()
         raise SystemExit(EXIT_INTERRUPTED)
     if not spec.in_process and "TORCHELASTIC_RUN_ID" in os.environ:

@@ -20,9 +20,13 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
+import shutil
+import sys
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from ddpexp.errors import ConfigError
 
@@ -74,8 +78,13 @@ class World:
         return "the whole SLURM step" if self.launcher == "slurm" else "the whole run"
 
     def command(self) -> str:
-        """What starts the same ranks again, up to the overrides: ``srun ... python -m
-        ddpexp``, ``torchrun ... -m ddpexp``, ``mpirun -np N python -m ddpexp``."""
+        """What starts the same ranks again, up to the overrides: the launcher's own command
+        line as it was typed (:func:`launcher_command`: every flag of ``torchrun`` or
+        ``mpirun`` kept), else one made from the world: ``srun ... python -m ddpexp``,
+        ``torchrun ... -m ddpexp``, ``mpirun -np N python -m ddpexp``."""
+        typed = launcher_command()
+        if typed is not None:
+            return typed
         nodes = f"--nodes={self.nodes} " if self.nodes > 1 else ""
         if self.launcher == "slurm":
             return f"srun {nodes}--ntasks-per-node={self.local_world_size} python -m ddpexp"
@@ -93,6 +102,51 @@ class World:
         return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
                 "LOCAL_RANK": str(self.local_rank), "LOCAL_WORLD_SIZE": str(self.local_world_size),
                 "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
+
+
+def launcher_command(pid: int | None = None) -> str | None:
+    """The command line of the launcher that started this process (its parent, or
+    ``pid``), up to ddpexp's own arguments, quoted for a shell; None where the parent's
+    command line does not end with them (a wrapper script, a daemon such as ``orted`` or
+    ``slurmstepd``) or cannot be read."""
+    parent = os.getppid() if pid is None else pid
+    try:
+        raw = Path(f"/proc/{parent}/cmdline").read_bytes()
+    except OSError:
+        return None
+    words = launcher_prefix(raw.decode(errors="replace").split("\0")[:-1], sys.orig_argv)
+    return None if words is None else shlex.join(words)
+
+
+def launcher_prefix(launcher: Sequence[str], own: Sequence[str]) -> list[str] | None:
+    """``launcher`` (a launcher's argv) up to the arguments it handed ddpexp, which ``own``
+    (this process's argv: ``python [-u] -m ddpexp ARGS`` or ``.../ddpexp ARGS``) ends with:
+    ``["torchrun", "--nproc-per-node=2", "-m", "ddpexp"]``. A Python interpreter that runs
+    a console script (``python .../bin/torchrun``) is left out, and a program that ``PATH``
+    finds as it is named is named so: the shell finds the same one again."""
+    args = _ddpexp_args(own)
+    if args is None or len(launcher) <= len(args) or list(launcher[len(launcher) - len(args):]) != args:
+        return None
+    words = list(launcher[:len(launcher) - len(args)])
+    if len(words) > 1 and Path(words[0]).name.startswith("python") and \
+            not words[1].startswith("-") and os.access(words[1], os.X_OK):
+        words = words[1:]  # python /venv/bin/torchrun: the script's own shebang names it
+    name = Path(words[0]).name
+    if os.sep in words[0] and shutil.which(name) == words[0]:
+        words[0] = name
+    return words
+
+
+def _ddpexp_args(own: Sequence[str]) -> list[str] | None:
+    """The arguments of ``python [flags] -m ddpexp ARGS`` or ``.../ddpexp ARGS``."""
+    if len(own) > 1 and not own[1].startswith("-"):
+        return list(own[2:]) if Path(own[1]).name == "ddpexp" else None
+    for i in range(1, len(own) - 1):  # the interpreter's own flags, up to its -m
+        if own[i] == "-m":
+            return list(own[i + 2:]) if own[i + 1].split(".")[0] == "ddpexp" else None
+        if not own[i].startswith("-"):
+            break
+    return None
 
 
 def detect(env: Mapping[str, str] | None = None) -> World | None:

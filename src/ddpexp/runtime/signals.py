@@ -46,11 +46,18 @@ class StopRequested:
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        if self.signum is not None and self.escalate and signal.SIGINT in self._previous:
+            # The run is stopping on the first signal (its checkpoint, its record): a Ctrl-C
+            # from here on is still the user's second one.
+            signal.signal(signal.SIGINT, self._second)
+
+    def _second(self, signum: int, frame: Any) -> None:
+        raise SecondSignal
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signum is not None:
             if self.escalate:
-                raise KeyboardInterrupt
+                raise SecondSignal
             return
         self.signum = signum
 
@@ -61,6 +68,11 @@ class StopRequested:
 
     def __bool__(self) -> bool:
         return self.signum is not None
+
+
+class SecondSignal(KeyboardInterrupt):
+    """A second stop signal to a process of its own: the user asked twice, so the run stops
+    at once, without the checkpoint the first one was waiting for."""
 
 
 class Interrupted(Exception):
