@@ -47,10 +47,15 @@ _HYDRA_ONLY = {".hydra"}
 
 
 def explain_os_error(exc: OSError, data_root: str | None = None,
-                     run_dir: str | None = None) -> DdpexpError:
-    """``exc`` as one message: which file, what is wrong, which key or action fixes it."""
-    name = exc.filename or "a file"
-    where = _key_for(name, data_root, run_dir)
+                     run_dir: str | None = None, sweep_dir: str | None = None) -> DdpexpError:
+    """``exc`` as one message: which file, what is wrong, which key or action fixes it.
+    An error that names no file (a write that failed when its file was closed, deep in a
+    library) is placed in the run dir, where the run writes."""
+    bases = {"data.root": data_root, "hydra.run.dir": run_dir, "hydra.sweep.dir": sweep_dir}
+    if exc.filename:
+        name, where = str(exc.filename), _key_for(str(exc.filename), bases)
+    else:
+        name, where = f"a file in {run_dir or 'the run dir'}", "hydra.run.dir"
     if exc.errno == errno.ENOSPC:
         return ConfigError(
             f"no space left on the device that holds {name}. Free some space there, or point "
@@ -67,9 +72,10 @@ def explain_os_error(exc: OSError, data_root: str | None = None,
     return ConfigError(f"{exc.strerror or exc}: {name} (check {where})")
 
 
-def _key_for(filename: str, data_root: str | None, run_dir: str | None) -> str:
-    path = Path(str(filename)).absolute()
-    for key, base in (("data.root", data_root), ("hydra.run.dir", run_dir)):
+def _key_for(filename: str, bases: dict[str, str | None]) -> str:
+    """The key whose dir (``bases``: key -> dir) holds ``filename``."""
+    path = Path(filename).absolute()
+    for key, base in bases.items():
         if base and (path == Path(base).absolute() or Path(base).absolute() in path.parents):
             return key
     return "data.root or hydra.run.dir"
