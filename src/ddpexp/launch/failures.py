@@ -27,7 +27,7 @@ import re
 import shutil
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -315,9 +315,19 @@ def _exit_cause(failure: Any) -> str:
 
 def describe_step_failure(failed: dict[int, dict], stalled: dict[int, dict], world: int,
                           timeout_s: float, log_file: str,
-                          whole: str = "the whole SLURM step") -> str:
-    """The step's failure in one message: stalled ranks first, then ranks with a cause of
+                          whole: str = "the whole SLURM step", missing: Sequence[int] = (),
+                          store: str = "") -> str:
+    """The step's failure in one message: ranks that never joined (``missing``: the others'
+    waits for them are no causes of their own), stalled ranks, then ranks with a cause of
     their own, then ranks that vanished; ranks that only lost a peer are not repeated."""
+    if missing:
+        lines = [f"rank {r} never joined: the others waited trainer.dist_timeout_s="
+                 f"{timeout_s:g} s for it at {store or 'their store'}. Start it (RANK={r}) "
+                 f"with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE={world}, or give "
+                 "WORLD_SIZE the number of ranks you start" for r in missing]
+        head = (f"a rank never started, so {whole} was stopped:" if len(lines) == 1 else
+                f"{len(lines)} ranks never started, so {whole} was stopped:")
+        return head + "\n  " + "\n  ".join(lines)
     lines = [f"rank {r} (pid {s['pid']}) stalled: no progress while the others waited "
              f"trainer.dist_timeout_s={timeout_s:g} s for it; its Python stack is in {log_file}"
              for r, s in sorted(stalled.items())]
