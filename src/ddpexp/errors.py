@@ -40,3 +40,14 @@ class RunInterrupted(DdpexpError):
 
 class RunDirBusy(DdpexpError):
     """Another live run holds the run dir's lock; the message names it (host, pid, since)."""
+
+
+def naming(exc: OSError, path: object) -> OSError:
+    """``exc``, naming ``path`` where it names no file. A write whose bytes only meet the
+    full disk when the file is flushed or closed fails with an ``OSError`` that has no file
+    name; the writer knows which file it was, and the user's message should say it."""
+    if exc.filename is not None:
+        return exc
+    named = type(exc)(exc.errno, exc.strerror or str(exc), str(path))
+    named.__traceback__ = exc.__traceback__
+    return named

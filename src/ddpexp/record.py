@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddpexp.errors import RunInterrupted
+from ddpexp.errors import RunInterrupted, naming
 
 METRICS_FILE = "metrics.json"
 # The statuses of a run that ended as intended (its best.pt tested, a sweep's resume skips it);
@@ -45,6 +45,9 @@ def write_metrics(run_dir: Path, record: dict) -> None:
     try:
         tmp.write_text(text + "\n")
         os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise naming(exc, path) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -37,6 +37,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from ddpexp.errors import naming
 from ddpexp.record import METRICS_FILE, UnreadableRecord, read_metrics
 
 FORMATS = ("text", "md", "csv", "json")
@@ -348,8 +349,12 @@ def _replace(path: Path, text: str) -> None:
     """Write ``path`` whole or not at all: the table is rewritten as each job ends, and a
     launcher killed mid-write must leave the previous table."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as exc:  # a full disk: the old table stays, no partial file beside it
+        tmp.unlink(missing_ok=True)
+        raise naming(exc, path) from None
 
 
 class SweepSummary(Callback):

@@ -5,6 +5,7 @@ two, and under fsdp, whose ranks each write shards."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -101,3 +102,64 @@ def test_a_full_disk_under_fsdp(tmp_path, small_disk):
     res = run_cli([*fsdp, "trainer.max_epochs=3", f"resume={run}"], tmp_path, expect_ok=False,
                   timeout=180)
     _check(res, run, last, before)
+
+
+def test_a_tiny_disk_names_the_file_and_no_thread_traceback(tmp_path, small_disk):
+    """A disk with room for the config and the log only: TensorBoard's event file and then
+    the first checkpoint meet it full. The event file costs one warning naming ``tb/`` (not
+    a traceback of TensorBoard's writer thread), and the run ends with one message naming the
+    checkpoint, which the archive writer only met as its file was closed."""
+    disk, shrink = small_disk
+    shrink(16 * 1024)
+    run = disk / "run"
+    res = run_cli_in_process([*ARGS, "trainer.max_epochs=1", f"hydra.run.dir={run}"], tmp_path,
+                             expect_ok=False)
+    assert res.returncode != 0
+    last = run / "checkpoints" / "last.pt"
+    assert res.output.count(f"no space left on the device that holds {last}.") == 1, res.output
+    assert "Traceback" not in res.output and "Exception in thread" not in res.output, res.output
+    assert f"logger.tensorboard could not open (OSError: [Errno 28] No space left on device: " \
+           f"'{run / 'tb'}')" in res.output
+    assert "a file" not in res.output
+
+
+def test_a_full_sweep_dir_keeps_the_jobs_and_names_the_table(tmp_path, small_disk):
+    """The sweep's table cannot be written once the disk is full: the sweep ends with one
+    message naming ``summary.csv`` (a ddpexp error, not the writer's raw OSError), and what
+    the jobs and the earlier table wrote is kept, with no partial file beside it."""
+    from hydra.core.utils import JobReturn, JobStatus
+
+    from ddpexp.errors import DdpexpError
+    from ddpexp.record import write_metrics
+    from ddpexp.sweep.backend import Job
+    from ddpexp.sweep.summary import summarize
+    from hydra_plugins.ddpexp_launcher.ddp_launcher import DdpLauncher
+
+    disk, shrink = small_disk
+    sweep = disk / "sweep"
+    launcher = DdpLauncher()
+    jobs = []
+    for idx in range(2):
+        (sweep / str(idx)).mkdir(parents=True)
+        write_metrics(sweep / str(idx), {"status": "completed", "monitor": "val/acc",
+                                         "best": {"val/acc": 0.5 + idx / 10}, "wall_time_s": 1})
+        jobs.append(Job(idx=idx, overrides=[f"seed={idx}"], dir=sweep / str(idx), started=1,
+                        ended=2, ret=JobReturn(overrides=[f"seed={idx}"],
+                                               status=JobStatus.COMPLETED, _return_value=0.5)))
+    summarize(launcher, jobs[:1], sweep, final=False)  # the first job's row, while there was room
+    table = (sweep / "summary.csv").read_bytes()
+    kept = {p: p.read_bytes() for p in sweep.rglob("*") if p.is_file()}
+    shrink(0)
+    with contextlib.suppress(OSError), open(disk / "filler", "wb") as filler:
+        while True:  # every byte the tmpfs has left
+            filler.write(b"x" * 1024)
+            filler.flush()
+    with pytest.raises(DdpexpError) as raised:
+        summarize(launcher, jobs, sweep)
+    message = str(raised.value)
+    assert message.startswith("the sweep's table could not be written: no space left on the "
+                              f"device that holds {sweep / 'summary.csv'}. Free some space there, "
+                              "or point hydra.sweep.dir at another disk"), message
+    assert f"python -m ddpexp.report {sweep} shows the table" in message
+    assert (sweep / "summary.csv").read_bytes() == table
+    assert {p: p.read_bytes() for p in sweep.rglob("*") if p.is_file()} == kept

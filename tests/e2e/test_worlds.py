@@ -81,6 +81,35 @@ def test_two_torchrun_agents_as_two_nodes_are_one_run(workdir, rendezvous):
     one_run(workdir, 2)
 
 
+def test_a_raising_rank_under_two_torchrun_agents_is_one_message(workdir):
+    """Rank 1 raises under two agents with a c10d rendezvous, and its agent hosts the
+    rendezvous store: it is started first (it binds the port), with the address that sorts
+    last (the rendezvous ranks agents by address). Rank 0's agent keeps its terminal free of
+    the TCPStore stack of a store gone under it: ddpexp's one message, then torchrun's own
+    report; the raising rank's terminal says where the run's log is and its own error."""
+    port, rdzv = free_port(), uuid.uuid4().hex[:8]
+    flags = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+             f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rdzv}"]
+    run = ["-m", "ddpexp", *TINY, "model._target_=faulty.Faulty", "+model.mode=raise"]
+    host = start([*TORCHRUN, *flags, "--local-addr=127.0.0.2", *run], workdir)
+    time.sleep(3)
+    other = start([*TORCHRUN, *flags, "--local-addr=127.0.0.1", *run], workdir)
+    rank0, rank1 = finish(other, 300), finish(host, 300)
+    assert rank0.returncode != 0 and rank1.returncode != 0
+    assert not rank0.leftovers and not rank1.leftovers
+    assert rank0.stderr.startswith("a worker failed, so the whole run was stopped:\n  rank 1 "
+                                   "(pid "), rank0.output
+    assert "raised RuntimeError: injected failure on rank 1\n" in rank0.stderr.split("\n")[1] + "\n"
+    for res in (rank0, rank1):
+        assert "TCPStore" not in res.stderr and "RendezvousConnectionError" not in res.stderr, \
+            res.stderr
+    assert "rank 1 of 2 (torchrun workers): rank 0, on " in rank1.stderr
+    assert "rank 1 raised RuntimeError: injected failure on rank 1; the run's message is " \
+           "rank 0's" in rank1.stderr
+    metrics = read_metrics(only_run_dir(workdir))
+    assert metrics["status"] == "failed" and "injected failure on rank 1" in metrics["error"]
+
+
 def test_pytorchjob_variables_are_one_run(workdir):
     port = str(free_port())
     ranks = [start([sys.executable, "-m", "ddpexp", *TINY], workdir, WORLD_SIZE="2",
@@ -89,6 +118,27 @@ def test_pytorchjob_variables_are_one_run(workdir):
     assert all(r.returncode == 0 for r in results), [r.output for r in results]
     assert "2 worker(s) (env:// ranks)" in results[0].output
     one_run(workdir, 2)
+    # A worker pod's own log says where the run's log is, once, and nothing else.
+    log_file = run_dirs(workdir / "outputs")[0] / "ddpexp.log"
+    assert results[1].output == (
+        "rank 1 of 2 (env:// ranks): rank 0, on 127.0.0.1, writes the run dir and its log "
+        f"{log_file}; this rank's warnings and errors go to that log too, and show here\n")
+
+
+def test_a_rank_that_never_starts_is_named_within_the_timeout(workdir):
+    """WORLD_SIZE=2 but only rank 0 is started: the run stops trainer.dist_timeout_s after
+    it began waiting, names the missing rank, and leaves no run dir."""
+    started = time.time()
+    res = finish(start([sys.executable, "-m", "ddpexp", *TINY, "trainer.dist_timeout_s=5"],
+                       workdir, WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(free_port())), 120)
+    assert res.returncode != 0 and not res.leftovers
+    assert res.stderr.startswith("a rank never started, so the whole run was stopped:\n"
+                                 "  rank 1 never joined: the others waited "
+                                 "trainer.dist_timeout_s=5 s for it at 127.0.0.1:"), res.output
+    assert res.stderr.count("\n") == 2 and "Traceback" not in res.output, res.output
+    assert run_dirs(workdir / "outputs") == []
+    assert time.time() - started < 60
 
 
 @pytest.fixture(scope="session")

@@ -29,8 +29,30 @@ def test_key_for_run_dir_and_unknown():
     exc = failures.explain_os_error(OSError(errno.EIO, "I/O error", "/runs/a/last.pt"),
                                     data_root="/data", run_dir="/runs/a")
     assert str(exc) == "I/O error: /runs/a/last.pt (check hydra.run.dir)"
-    exc = failures.explain_os_error(OSError(errno.EIO, "I/O error"))
-    assert str(exc) == "I/O error: a file (check data.root or hydra.run.dir)"
+    exc = failures.explain_os_error(OSError(errno.EIO, "I/O error", "/elsewhere/x"))
+    assert str(exc) == "I/O error: /elsewhere/x (check data.root or hydra.run.dir)"
+    exc = failures.explain_os_error(OSError(errno.ENOSPC, "full", "/sweeps/s/summary.csv"),
+                                    sweep_dir="/sweeps/s")
+    assert "holds /sweeps/s/summary.csv. Free some space there, or point hydra.sweep.dir" in str(exc)
+
+
+def test_an_error_that_names_no_file_names_the_run_dir():
+    """A write that met the full disk only as its file was closed names no file: the message
+    places it in the run dir, where the run writes."""
+    exc = failures.explain_os_error(OSError(errno.ENOSPC, "full"), run_dir="/runs/a")
+    assert str(exc).startswith("no space left on the device that holds a file in /runs/a. "
+                               "Free some space there, or point hydra.run.dir at another disk")
+    assert "a file in the run dir" in str(failures.explain_os_error(OSError(errno.EIO, "bad")))
+
+
+def test_naming_gives_an_error_its_file():
+    from ddpexp.errors import naming
+
+    named = naming(OSError(errno.ENOSPC, "No space left on device"), "/runs/a/last.pt")
+    assert (named.errno, named.filename) == (errno.ENOSPC, "/runs/a/last.pt")
+    assert str(named) == "[Errno 28] No space left on device: '/runs/a/last.pt'"
+    own = FileNotFoundError(errno.ENOENT, "gone", "/data/x")
+    assert naming(own, "/elsewhere") is own
 
 
 def test_newest_config_dir(tmp_path):

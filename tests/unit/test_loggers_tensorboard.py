@@ -87,3 +87,35 @@ def test_session_end_status(status, expected):
     summary = _session_end(status)
     data = HParamsPluginData.FromString(summary.value[0].metadata.plugin_data.content)
     assert data.session_end_info.status == expected  # STATUS_SUCCESS = 1, STATUS_FAILURE = 2
+
+
+def test_a_failed_event_writer_thread_is_kept_off_the_terminal(tmp_path):
+    """TensorBoard's event-file thread that meets a full disk (``/dev/full``) keeps its error
+    for the writer's next call; the excepthook a logger installs leaves its traceback off the
+    terminal, and hands every other thread's error on as before."""
+    import queue
+    import threading
+
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    from ddpexp.loggers.tensorboard import _QuietEventWriterThread
+
+    seen = []
+    before = threading.excepthook
+    threading.excepthook = _QuietEventWriterThread(seen.append)
+    try:
+        events = queue.Queue()
+        events.put(b"event")
+        with open("/dev/full", "wb") as full:
+            thread = _AsyncWriterThread(events, RecordWriter(full), flush_secs=0)
+            thread.start()
+            thread.join(10)
+            other = threading.Thread(target=lambda: 1 / 0)
+            other.start()
+            other.join(10)
+            full.raw.close()  # what was buffered for /dev/full is dropped, not flushed
+    finally:
+        threading.excepthook = before
+    assert isinstance(thread.exception, OSError)  # raised again at the writer's next call
+    assert [a.exc_type for a in seen] == [ZeroDivisionError]

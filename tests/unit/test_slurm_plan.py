@@ -145,3 +145,30 @@ def test_submitit_slurm_requeues_on_the_pre_timeout_signal_by_default():
     assert launcher._target_.endswith("submitit_launcher.SlurmLauncher")
     assert launcher.max_num_timeout == 3 and launcher.signal_delay_s == 60
     assert changed.hydra.launcher.max_num_timeout == 0
+
+
+def test_a_rank_that_never_joined_is_the_cause():
+    """Rank 0's own wait for the missing rank is no cause of its own: only the missing rank
+    is named, with what starts it."""
+    waited = {"pid": 11, "cause": "raised DistStoreError: wait timeout after 5000ms"}
+    text = describe_step_failure({0: waited}, {}, 3, 5, "run/ddpexp.log", "the whole run",
+                                 missing=[2], store="10.0.0.1:29400")
+    assert text == (
+        "a rank never started, so the whole run was stopped:\n"
+        "  rank 2 never joined: the others waited trainer.dist_timeout_s=5 s for it at "
+        "10.0.0.1:29400. Start it (RANK=2) with the same MASTER_ADDR, MASTER_PORT and "
+        "WORLD_SIZE=3, or give WORLD_SIZE the number of ranks you start")
+
+
+def test_own_terminal_is_a_pod_or_another_nodes_first_rank():
+    from ddpexp.launch.ranks import own_terminal
+    from ddpexp.launch.world import World
+
+    def world(launcher, rank, local_rank=0, nodes=2):
+        return World(launcher, rank, local_rank, 4, 2, nodes, "10.0.0.1", 29400)
+
+    assert own_terminal(world("env", 1)) and own_terminal(world("env", 3, 1))
+    assert not own_terminal(world("env", 0))
+    assert own_terminal(world("torchrun", 2)) and not own_terminal(world("torchrun", 3, 1))
+    assert not own_terminal(world("torchrun", 1, 1, nodes=1))
+    assert not own_terminal(world("slurm", 2)) and not own_terminal(world("mpi", 2))

@@ -45,7 +45,7 @@ except ImportError:  # not on Windows: copies there are plain copies
 
 import torch
 
-from ddpexp.errors import CheckpointError
+from ddpexp.errors import CheckpointError, naming
 
 LAST, BEST = "last.pt", "best.pt"
 CHECKPOINTS = "checkpoints"  # a run dir's checkpoints live in run_dir/CHECKPOINTS
@@ -84,6 +84,9 @@ def save_atomic(obj: dict, path: Path) -> None:
         if full:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from None
         raise
+    except OSError as exc:  # one that met the full disk on close names no file: this one
+        tmp.unlink(missing_ok=True)
+        raise naming(exc, path) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -32,7 +32,7 @@ import shutil
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -55,10 +55,15 @@ _HYDRA_ONLY = {".hydra", LOCK_FILE}
 
 
 def explain_os_error(exc: OSError, data_root: str | None = None,
-                     run_dir: str | None = None) -> DdpexpError:
-    """``exc`` as one message: which file, what is wrong, which key or action fixes it."""
-    name = exc.filename or "a file"
-    where = _key_for(name, data_root, run_dir)
+                     run_dir: str | None = None, sweep_dir: str | None = None) -> DdpexpError:
+    """``exc`` as one message: which file, what is wrong, which key or action fixes it.
+    An error that names no file (a write that failed when its file was closed, deep in a
+    library) is placed in the run dir, where the run writes."""
+    bases = {"data.root": data_root, "hydra.run.dir": run_dir, "hydra.sweep.dir": sweep_dir}
+    if exc.filename:
+        name, where = str(exc.filename), _key_for(str(exc.filename), bases)
+    else:
+        name, where = f"a file in {run_dir or 'the run dir'}", "hydra.run.dir"
     if exc.errno == errno.ENOSPC:
         return ConfigError(
             f"no space left on the device that holds {name}. Free some space there, or point "
@@ -75,9 +80,10 @@ def explain_os_error(exc: OSError, data_root: str | None = None,
     return ConfigError(f"{exc.strerror or exc}: {name} (check {where})")
 
 
-def _key_for(filename: str, data_root: str | None, run_dir: str | None) -> str:
-    path = Path(str(filename)).absolute()
-    for key, base in (("data.root", data_root), ("hydra.run.dir", run_dir)):
+def _key_for(filename: str, bases: dict[str, str | None]) -> str:
+    """The key whose dir (``bases``: key -> dir) holds ``filename``."""
+    path = Path(filename).absolute()
+    for key, base in bases.items():
         if base and (path == Path(base).absolute() or Path(base).absolute() in path.parents):
             return key
     return "data.root or hydra.run.dir"
@@ -356,9 +362,19 @@ def _exit_cause(failure: Any) -> str:
 
 def describe_step_failure(failed: dict[int, dict], stalled: dict[int, dict], world: int,
                           timeout_s: float, log_file: str,
-                          whole: str = "the whole SLURM step") -> str:
-    """The step's failure in one message: stalled ranks first, then ranks with a cause of
+                          whole: str = "the whole SLURM step", missing: Sequence[int] = (),
+                          store: str = "") -> str:
+    """The step's failure in one message: ranks that never joined (``missing``: the others'
+    waits for them are no causes of their own), stalled ranks, then ranks with a cause of
     their own, then ranks that vanished; ranks that only lost a peer are not repeated."""
+    if missing:
+        lines = [f"rank {r} never joined: the others waited trainer.dist_timeout_s="
+                 f"{timeout_s:g} s for it at {store or 'their store'}. Start it (RANK={r}) "
+                 f"with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE={world}, or give "
+                 "WORLD_SIZE the number of ranks you start" for r in missing]
+        head = (f"a rank never started, so {whole} was stopped:" if len(lines) == 1 else
+                f"{len(lines)} ranks never started, so {whole} was stopped:")
+        return head + "\n  " + "\n  ".join(lines)
     lines = [f"rank {r} (pid {s['pid']}) stalled: no progress while the others waited "
              f"trainer.dist_timeout_s={timeout_s:g} s for it; its Python stack is in {log_file}"
              for r, s in sorted(stalled.items())]

@@ -21,7 +21,13 @@ may keep the others alive (SLURM keeps a step alive until its last task has exit
 - global rank 0 turns what the store holds into one message naming the ranks and their
   causes, which the run reports and records in ``metrics.json`` as ``failed``. A rank that
   died without a word (SIGKILL) is named as such; when that rank is rank 0 (the store gone
-  with it), rank 1 writes the record and the message.
+  with it), rank 1 writes the record and the message. A rank that never joined the store is
+  named as the cause, once the others' wait for it (``trainer.dist_timeout_s``) ends;
+- under torchrun agents on several nodes the ranks of a failed run end together, once rank 0
+  has told the failure (:data:`LEAVE_S`): an agent whose worker ended early would take the
+  rendezvous store it may host with it, and the other agents would crash on their terminals;
+- a rank whose output is seen apart from rank 0's (an env:// pod, another node's torchrun
+  agent) prints one line saying where the run's log is, and then its own error, if any.
 """
 
 from __future__ import annotations
@@ -60,6 +66,17 @@ GRACE_S = {"timeout": 2.0, "error": 10.0}
 # How long global rank 0 waits for the other ranks' reports before it writes its message.
 REPORT_WAIT_S = {"timeout": 8.0, "error": 3.0}
 EXIT_FAILED = 1
+# A failed run of torchrun agents on several nodes: every rank ends this long after rank 0
+# has told the run's failure, so that every agent sees its worker fail in the same monitor
+# tick (0.1 s), before any of them leaves. An agent that leaves early takes the rendezvous
+# store it may host with it, and the agents still waiting on their workers then crash with
+# some 80 lines of TCPStore stack on their terminal.
+LEAVE_S = 1.0
+# How long a failed rank waits for rank 0 to say when to leave: its report wait, and more.
+LEAVE_WAIT_S = 30.0
+# Where the ranks leave together, how long after the abort a rank waiting in a collective
+# counts as waiting for the failed rank (whose sockets stay open until then).
+LEAVE_GRACE_S = 2.0
 
 
 def sweep_problem(args: list[str], world: World) -> str | None:
@@ -127,10 +144,14 @@ class Step:
                                 timeout=timedelta(seconds=CONNECT_TIMEOUT_S),
                                 wait_for_workers=False)
         except Exception as exc:
+            fix = ("Another process may hold that port: set MASTER_PORT to a free one for "
+                   "every rank") if hosts else (
+                f"It is hosted by {'the launcher' if world.agent_store else 'rank 0'}: is that "
+                f"running, on MASTER_ADDR={addr}? Every rank needs the same MASTER_ADDR and "
+                "MASTER_PORT")
             raise ConfigError(
                 f"rank {me} of {world.what} could not {'open' if hosts else 'reach'} their "
-                f"store at {addr}:{port} ({str(exc).splitlines()[0]}). Another process may "
-                "hold that port: set MASTER_PORT to a free one for every rank") from None
+                f"store at {addr}:{port} ({str(exc).splitlines()[0]}). {fix}") from None
         store = raw
         if world.launcher == "torchrun":
             store = dist.PrefixStore(f"ddpexp/{world.run_id}/round-{world.restart}", raw)
@@ -247,8 +268,42 @@ class Step:
                 break
             time.sleep(POLL_S)
         failed, stalled = self.reports("failed"), self.reports("stalled")
+        joined = {0, *self.reports("joined"), *failed, *stalled}
+        w = self.world_info
+        missing = [r for r in range(self.world) if r not in joined]
         return describe_step_failure(failed, stalled, self.world, timeout_s, log_file,
-                                     self.world_info.whole)
+                                     w.whole, missing=missing,
+                                     store=f"{w.master_addr}:{w.master_port}")
+
+    # -------------------------------------------------------------- leaving together
+    @property
+    def leaves_together(self) -> bool:
+        """Whether the ranks of a failed run end at one moment (:data:`LEAVE_S`): torchrun
+        agents on several nodes, one of which hosts the store the others' agents use."""
+        return self.world_info.launcher == "torchrun" and self.world_info.nodes > 1
+
+    def leave_together(self) -> None:
+        """Rank 0, its failure told: name the moment every rank ends, and wait for it."""
+        deadline = time.time() + LEAVE_S
+        try:
+            self.store.set("leave", str(deadline))
+        except Exception:
+            return
+        time.sleep(max(0.0, deadline - time.time()))
+
+    def wait_to_leave(self) -> None:
+        """A failed rank other than 0: wait for the moment rank 0 names (at most
+        :data:`LEAVE_WAIT_S`, or until the store is gone)."""
+        give_up = time.time() + LEAVE_WAIT_S
+        while time.time() < give_up:
+            try:
+                if self.store.check(["leave"]):
+                    deadline = float(self.store.get("leave"))
+                    time.sleep(max(0.0, min(deadline, give_up) - time.time()))
+                    return
+            except Exception:
+                return
+            time.sleep(POLL_S / 5)
 
 
 def _alive(pid: int) -> bool:
@@ -289,9 +344,28 @@ class Listener:
             if abort is None or abort.get("by") == self.step.rank:
                 continue
             kind = abort.get("kind", "error")
-            if self._done.wait(GRACE_S.get(kind, 2.0)) or self.step.failing.is_set():
+            waits = self.step.leaves_together and kind == "error"
+            grace = LEAVE_GRACE_S if waits else GRACE_S.get(kind, 2.0)
+            if self._done.wait(grace) or self.step.failing.is_set():
                 return  # this rank's own code saw the failure and handles it
+            if waits:
+                self._leave_with_the_others()
             self._end_stuck(kind)
+
+    def _leave_with_the_others(self) -> None:
+        """A rank waiting in a collective for a failed rank that stays until the ranks leave
+        together (:data:`LEAVE_S`) never sees that rank's sockets close: it is no cause of
+        the failure, and leaves with the others (rank 0 once it has told the failure)."""
+        if self.on_stuck is not None:
+            try:
+                self.on_stuck("error")
+            except Exception:
+                pass
+            self.step.leave_together()
+        else:
+            self.step.wait_to_leave()
+        logging.shutdown()
+        os._exit(EXIT_FAILED)
 
     def _end_stuck(self, kind: str) -> None:
         self._dump_stack()
@@ -343,6 +417,17 @@ def lead(step: Step, main: Callable[[], Any]) -> None:
     launch), and abort the step's start if it ends without having published the config."""
     try:
         main()
+    except SystemExit as exc:
+        if step.failing.is_set() and step.leaves_together:
+            # The run's message now, then the end at the moment the other ranks end too.
+            code = exc.code
+            if isinstance(code, str):
+                _say(code)
+            step.leave_together()
+            from ddpexp.launch.proc import exit_now
+
+            exit_now(code if isinstance(code, int) and code else EXIT_FAILED)
+        raise
     finally:
         try:
             published = step.store.check(["payload"])
@@ -361,13 +446,35 @@ def follow(step: Step) -> int:
     spec = step.wait_payload()
     if spec is None:
         return EXIT_FAILED  # rank 0 said why (a bad override, a run dir already taken)
+    own = own_terminal(step.world_info)
+    if own:
+        _say(f"rank {step.rank} of {step.world} ({step.world_info.label}): rank 0, on "
+             f"{step.world_info.master_addr}, writes the run dir and its log {spec.log_file}; "
+             "this rank's warnings and errors go to that log too, and show here")
     try:
         run_rank(step, spec)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else EXIT_FAILED
-    except BaseException:
+    except BaseException as exc:
+        if own:
+            _say(f"rank {step.rank} {rank_error(exc)[0]}; the run's message is rank 0's, its "
+                 f"traceback in {spec.log_file}")
         return EXIT_FAILED
     return 0
+
+
+def own_terminal(world: World) -> bool:
+    """Whether this rank's output is seen apart from rank 0's: each pod of an env:// world
+    (a Kubernetes PyTorchJob's worker logs), the first rank of another node's torchrun agent.
+    (srun and mpirun gather every rank's output where rank 0's shows.)"""
+    if world.rank == 0:
+        return False
+    return world.launcher == "env" or (world.launcher == "torchrun" and world.nodes > 1
+                                       and world.local_rank == 0)
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def run_rank(step: Step, spec: RunSpec) -> dict | None:
@@ -398,6 +505,8 @@ def run_rank(step: Step, spec: RunSpec) -> dict | None:
                                                   str(spec.log_file), step.world_info.whole),
                       started)
             if step.rank != 0:
+                if step.leaves_together:
+                    step.wait_to_leave()
                 raise
             # A launcher that ends every rank once one has exited (torchrun's agent SIGTERMs
             # them, then SIGKILLs them 30 s later) must not end rank 0 before it has written

@@ -16,6 +16,8 @@ from hydra.core.utils import JobReturn
 from hydra.errors import CompactHydraException
 
 from ddpexp import report
+from ddpexp.errors import DdpexpError
+from ddpexp.launch.failures import explain_os_error
 
 log = logging.getLogger("hydra_plugins.ddpexp_launcher")
 
@@ -48,13 +50,29 @@ def summarize(launcher: Any, jobs: Sequence[Any], sweep_dir: Path, final: bool =
             row.wall_time_s = wall
         rows[key] = row
     ordered = report.sort_rows(rows.values())
+    unwritten = None
     if ordered:
-        report.write_summary(sweep_dir, ordered)
+        try:
+            report.write_summary(sweep_dir, ordered)
+        except OSError as exc:  # a full disk: the jobs' own results are in their dirs
+            unwritten = exc
+            log.debug("the sweep's table could not be written: %s", exc)
     if not final:
         return
     if ordered:
         log.info("sweep summary (%s):\n%s", sweep_dir / "summary.csv",
                  report.format_rows(ordered, "text").rstrip())
+    _list_failures(jobs)
+    if unwritten is not None:
+        cause = explain_os_error(unwritten, sweep_dir=str(sweep_dir))
+        raise DdpexpError(
+            f"the sweep's table could not be written: {cause}. Each job's results are in its "
+            f"own dir under {sweep_dir}; once there is room, python -m ddpexp.report "
+            f"{sweep_dir} shows the table")
+
+
+def _list_failures(jobs: Sequence[Any]) -> None:
+    """Log each job of this launch that failed, was interrupted or was not run."""
     ended = [j for j in jobs if j.ret is not None]
     failures = [j for j in ended if j.outcome == "failed"]
     interrupted = [j for j in ended if j.outcome == "interrupted"]
