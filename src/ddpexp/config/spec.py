@@ -56,6 +56,8 @@ class RunSpec:
     resume_from: Path | None = None
     # The overrides a sweep varies, for TensorBoard's HParams dashboard.
     hparams: dict = field(default_factory=dict)
+    # The sweep dir of a sweep's job (trackers group its jobs by it); None for a single run.
+    sweep_dir: Path | None = None
     # The worker runs in the parent's own process (one worker, no restarts).
     in_process: bool = False
     eval_checkpoint: Path | None = None
@@ -95,7 +97,7 @@ class RunSpec:
     def from_json(cls, text: str | bytes) -> RunSpec:
         """The spec :meth:`to_json` wrote."""
         fields = json.loads(text)
-        for name in ("run_dir", "log_file", "resume_from", "eval_checkpoint"):
+        for name in ("run_dir", "log_file", "resume_from", "eval_checkpoint", "sweep_dir"):
             if fields.get(name) is not None:
                 fields[name] = Path(fields[name])
         plan = Plan(**fields.pop("plan"))

@@ -128,7 +128,9 @@ def _prepare(cfg: DictConfig, hydra_cfg: Any, run_dir: Path, world: World | None
         raise ConfigError(f"the config does not resolve: {exc}") from None
     check_parts(plain, run_dir)
     spec = RunSpec.build(plain, plan, run_dir=run_dir, log_file=run_dir / f"{hydra_cfg.job.name}.log",
-                         hparams=overrides_as_hparams(list(hydra_cfg.overrides.task)))
+                         hparams=overrides_as_hparams(list(hydra_cfg.overrides.task)),
+                         sweep_dir=Path(hydra_cfg.sweep.dir).absolute()
+                         if hydra_cfg.mode == RunMode.MULTIRUN else None)
     resume = checkpoint.find(cfg.resume, run_dir, base=Path(hydra_cfg.runtime.cwd))
     if resume is None and cfg.resume is None and under_submitit():
         # A submitit job requeued after SLURM's pre-timeout signal runs again in its own job

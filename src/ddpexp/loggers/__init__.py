@@ -1,5 +1,5 @@
-"""The loggers seam: what records a run's metrics (TensorBoard, a CSV file, MLflow, a user's
-own), built from the ``logger`` config group, a dict of entries keyed by name.
+"""The loggers seam: what records a run's metrics (TensorBoard, a CSV file, MLflow, W&B, a
+user's own), built from the ``logger`` config group, a dict of entries keyed by name.
 
 :func:`build_loggers` turns the entries into :class:`Logger` objects (global rank 0 only);
 :func:`prepare_loggers` runs each one's class-level ``prepare`` once in the launching process.
@@ -28,10 +28,11 @@ from ddpexp.loggers.base import (
 from ddpexp.loggers.csv import CSVLogger
 from ddpexp.loggers.mlflow import MLflowLogger
 from ddpexp.loggers.tensorboard import TensorBoardLogger
+from ddpexp.loggers.wandb import WandbLogger
 
 __all__ = [
     "CSVLogger", "Logger", "MLflowLogger", "RunInfo", "SUCCESS_STATUSES", "StoreRefused",
-    "TensorBoardLogger",
+    "TensorBoardLogger", "WandbLogger",
     "build_loggers", "outputs_root", "prepare_loggers", "record_refusal", "run_name",
 ]
 

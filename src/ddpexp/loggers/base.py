@@ -53,6 +53,8 @@ class RunInfo:
     # The last step stored: 0 when fresh; when resumed, the last step whose points this
     # logger acknowledged before the checkpoint (its points after that are sent again).
     step: int
+    # The sweep dir of a sweep's job (what a tracker groups its jobs by); None for a run.
+    sweep_dir: Path | None = None
 
     @property
     def outputs_root(self) -> Path:

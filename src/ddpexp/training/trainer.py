@@ -85,6 +85,7 @@ class Trainer:
         seed: int = 0,
         config: dict | None = None,
         hparams: dict | None = None,
+        sweep_dir: Path | None = None,
         callbacks: Mapping[str, Callback] | None = None,
         loggers: Mapping[str, Any] | None = None,
     ):
@@ -94,6 +95,7 @@ class Trainer:
         self.task, self.data, self.seed = as_task(task), data, seed
         self.config = config or {}
         self.hparams = hparams or {}
+        self.sweep_dir = sweep_dir
         self.device = ctx.device
         self.monitor = cfg.monitor or self.task.monitor
         self.monitor_mode = cfg.monitor_mode.value if cfg.monitor_mode else self.task.monitor_mode
@@ -131,7 +133,7 @@ class Trainer:
         from the run's spec, as a worker receives it; return the trainer."""
         from ddpexp.training.build import build_parts
 
-        return cls(ctx=ctx, run_dir=spec.run_dir, hparams=spec.hparams,
+        return cls(ctx=ctx, run_dir=spec.run_dir, hparams=spec.hparams, sweep_dir=spec.sweep_dir,
                    **build_parts(spec.config, spec.trainer, ctx))
 
     @classmethod
@@ -498,7 +500,8 @@ class Trainer:
         if self.loggers:
             self.loggers.open(RunInfo(run_dir=self.run_dir, name=run_name(self.run_dir),
                                       config=self.config, hparams=self.hparams,
-                                      resumed=self.resumed, step=self.step))
+                                      resumed=self.resumed, step=self.step,
+                                      sweep_dir=self.sweep_dir))
 
     # ------------------------------------------------------------------ divergence
     def _diverge(self) -> None:
