@@ -28,9 +28,9 @@ def test_known_and_nested_trainer_keys_pass():
 def test_a_group_list_with_a_typo_names_the_options_there_are():
     text = cli.preflight(["logger=[tensorboard,mlfow]"])
     assert text == ("logger=[tensorboard,mlfow]: logger has no option 'mlfow'; did you mean "
-                    "mlflow? (logger options: csv, mlflow, tensorboard)")
+                    "mlflow? (logger options: csv, mlflow, tensorboard, wandb)")
     assert cli.unknown_group_options(["-m", "logger=[csv,zzz]", "optimizer.lr=1,2"]) == (
-        "logger=[csv,zzz]: logger has no option 'zzz' (logger options: csv, mlflow, tensorboard)")
+        "logger=[csv,zzz]: logger has no option 'zzz' (logger options: csv, mlflow, tensorboard, wandb)")
     for fine in (["logger=[tensorboard,mlflow]"], ["logger=csv"], ["model=mlp"], ["logger=[]"],
                  ["logger=[mine]", "hydra.searchpath=[file://conf]"]):
         assert cli.unknown_group_options(fine) is None, fine

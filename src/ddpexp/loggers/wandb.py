@@ -135,7 +135,7 @@ def stored_steps(wandb_dir: Path, run_id: str) -> dict[str, int]:
     steps: dict[str, int] = {}
     for path in sorted(Path(wandb_dir).glob(f"*-{run_id}/run-{run_id}.wandb")):
         for raw in _records(path):
-            record = pb.Record()
+            record = pb.Record()  # pyright: ignore[reportAttributeAccessIssue]  # generated protobuf
             try:
                 record.ParseFromString(raw)
             except Exception:  # protobuf's DecodeError: a damaged record ends the file
