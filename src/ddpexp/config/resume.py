@@ -93,8 +93,8 @@ def changes(saved: Mapping[str, Any], new: Mapping[str, Any],
     """The keys that a resume with config ``new`` changes against the checkpoint's config
     ``saved``, in key order, :data:`IGNORE` keys left out. ``baseline``: see the module's
     docstring (None: every difference counts)."""
-    old, now = _flat(saved), _flat(new)
-    base = _flat(baseline) if baseline is not None else None
+    old, now = flatten(saved), flatten(new)
+    base = flatten(baseline) if baseline is not None else None
     found = [*_entry_changes(saved, new, baseline), *_one_sided(old, now, base)]
     for key in sorted(old.keys() & now.keys()):
         before, after = old[key], now[key]
@@ -168,13 +168,13 @@ def _same(a: Any, b: Any) -> bool:
     return a == b and isinstance(a, bool) == isinstance(b, bool)
 
 
-def _flat(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """Dotted keys to leaf values (lists and empty dicts are values)."""
     out: dict[str, Any] = {}
     for key, value in config.items():
         name = f"{prefix}{key}"
         if isinstance(value, Mapping) and value:
-            out.update(_flat(value, name + "."))
+            out.update(flatten(value, name + "."))
         else:
             out[name] = value
     return out

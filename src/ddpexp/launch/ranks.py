@@ -257,7 +257,7 @@ class Step:
         rank 0 cannot wait out :data:`REPORT_WAIT_S` for a rank that was SIGKILLed."""
         host = socket.gethostname()
         return {r for r, seen in self.reports("joined").items()
-                if seen.get("host") == host and not _alive(int(seen["pid"]))}
+                if seen.get("host") == host and not runlock.pid_runs(int(seen["pid"]))}
 
     def failure_message(self, kind: str, timeout_s: float, log_file: str) -> str:
         """Rank 0: one message for the step's failure, once the others have reported."""
@@ -304,20 +304,6 @@ class Step:
             except Exception:
                 return
             time.sleep(POLL_S / 5)
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` still runs (a zombie, ended but not yet reaped, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 class Listener:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 from urllib.parse import quote
 
+from ddpexp.config.resume import flatten
 from ddpexp.errors import ConfigError
 from ddpexp.loggers.base import SUCCESS_STATUSES, Logger, RunInfo, StoreRefused
 
@@ -83,18 +84,11 @@ def default_tracking_uri(outputs_root: Path) -> str:
     return "sqlite:///" + str((Path(outputs_root) / DB_NAME).resolve())
 
 
-def flatten_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+def flatten_params(config: Mapping[str, Any]) -> dict[str, str]:
     """The config as MLflow params: nested keys joined by dots (``trainer.max_epochs``),
     values as ``str()`` gives them (lists whole, e.g. ``data.shape`` = ``[1, 8, 8]``), an empty
     dict as ``{}``."""
-    out: dict[str, str] = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            out.update(flatten_params(value, name + "."))
-        else:
-            out[name] = str(value)
-    return out
+    return {key: str(value) for key, value in flatten(config).items()}
 
 
 def end_state(status: str) -> str:

@@ -307,10 +307,13 @@ class ForkServer:
         """The exit code of forked job ``pid`` once it has ended (None while it runs). A
         server that died first leaves its children unreported: they are gone with it, or
         orphaned, and the launcher kills their group either way."""
+        # Here, not at the top: the server process imports this module and nothing of Hydra.
+        from ddpexp.config.runlock import pid_runs
+
         with self._lock:
             if pid in self._exits:
                 return self._exits.pop(pid)
-        if self.proc is not None and self.proc.poll() is not None and not _alive(pid):
+        if self.proc is not None and self.proc.poll() is not None and not pid_runs(pid):
             return -signal.SIGKILL
         return None
 
@@ -394,16 +397,6 @@ def discard_early() -> None:
     server, _EARLY = _EARLY, None
     if server is not None:
         server.discard()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def main(argv: list[str]) -> int:
