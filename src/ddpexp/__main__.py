@@ -12,8 +12,12 @@ if TYPE_CHECKING:
 def task(cfg: "DictConfig") -> float | None:
     """Run one experiment (every job of a sweep calls this); returns the monitored metric
     so that sweepers (ddpexp's optuna_async, Hydra's) can optimise it."""
+    import signal
+
     from ddpexp.launch.fanout import run
 
+    # The run (or job) has begun: a Ctrl-C from here on is its guard's and its trainer's.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     return run(cfg)
 
 
@@ -36,6 +40,13 @@ def cli() -> None:
 
     # First of all (it is the sweep's longest wait): a sweep's fork server, if it may fork.
     forkserver.start_early(sys.argv[1:])
+    if not _full_error():
+        # A Ctrl-C while Hydra composes the config must not land inside OmegaConf, whose
+        # clean-up then fails with an error of its own: until the run begins (task()), it
+        # ends the command at once.
+        import signal
+
+        signal.signal(signal.SIGINT, lambda *_: _stopped_before_the_run())
     try:
         _cli()
     except KeyboardInterrupt:
@@ -60,13 +71,23 @@ def _stopped_before_the_run() -> None:
     rundir = sys.modules.get("ddpexp.config.rundir")
     if rundir is not None:
         rundir.drop_unstarted_claims()
-    if os.environ.get("HYDRA_FULL_ERROR", "").lower() not in ("", "0", "false", "no"):
-        raise
+    forkserver = sys.modules.get("ddpexp.sweep.forkserver")
+    if forkserver is not None:
+        forkserver.discard_early()
+    if _full_error():
+        raise KeyboardInterrupt
     print("stopped by SIGINT before the run started; nothing was saved", file=sys.stderr)
     sys.stderr.flush()
     # Not sys.exit: a Ctrl-C that cut into code an extension ran (PyRun_String) leaves the
     # interpreter set to end by SIGINT whatever status it is given.
     os._exit(130)
+
+
+def _full_error() -> bool:
+    """Whether ``HYDRA_FULL_ERROR`` asks for tracebacks."""
+    import os
+
+    return os.environ.get("HYDRA_FULL_ERROR", "").lower() not in ("", "0", "false", "no")
 
 
 def _cli() -> None:
