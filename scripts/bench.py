@@ -42,7 +42,7 @@ sweeper in batches of ``max_parallel`` (how a batch sweeper such as hydra-optuna
     python scripts/bench.py --peers         # with Lightning, where it is installed
     python scripts/bench.py --gpu --peers   # the GPU cases (scripts/gpu_check.sh runs them)
     python scripts/bench.py --cases search  # the search case only (--quick: 4 short trials)
-    python scripts/bench.py --cases loggers # logger=tensorboard vs logger=[tensorboard,mlflow]
+    python scripts/bench.py --cases loggers # logger=tensorboard vs [tensorboard,mlflow], [..,wandb]
     python scripts/bench.py --cases launchers  # an 8-job sweep: ddp launcher vs Hydra's basic, joblib
 """
 
@@ -548,39 +548,63 @@ def launchers_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str
 LOGGERS = "loggers"
 # The loggers case's variants: the default logger alone, and with a tracker beside it.
 LOGGER_VARIANTS = {"tensorboard": "logger=tensorboard",
-                   "tensorboard+mlflow": "logger=[tensorboard,mlflow]"}
+                   "tensorboard+mlflow": "logger=[tensorboard,mlflow]",
+                   "tensorboard+wandb": "logger=[tensorboard,wandb]"}
 
 
 def loggers_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str:
-    """What a tracker costs the loop per step: the overhead case's loop through ddpexp with
-    ``logger=tensorboard`` and with ``logger=[tensorboard,mlflow]`` (the default SQLite store,
-    in the bench's temp dir), logging every 10 steps, alternating which goes first; samples/s
-    as the other cases measure it, and the median of the paired ratios."""
+    """What a tracker costs a run: the overhead case's loop through ddpexp with
+    ``logger=tensorboard``, with ``logger=[tensorboard,mlflow]`` (the default SQLite store, in
+    the bench's temp dir) and with ``logger=[tensorboard,wandb]`` (offline, under the run
+    dir), logging every 10 steps, rotating which goes first; per step, samples/s as the other
+    cases measure it; at start-up, launch to the first step's end (``time/first_step_s``) and
+    the command's wall time; each as the median of the paired ratios to tensorboard alone."""
     if quick:
         case = Case(LOGGERS, "mlp", 32, steps=12, warmup=2, procs=1, shape=(3, 8, 8))
     else:
         case = Case(LOGGERS, "mlp", 32, steps=400, warmup=10)
-    rates: dict[str, list[float]] = {name: [] for name in LOGGER_VARIANTS}
+    names = [name for name in LOGGER_VARIANTS if name != "tensorboard+wandb" or _has("wandb")]
+    figures: dict[str, dict[str, list[float]]] = {
+        name: {"rate": [], "first": [], "wall": []} for name in names}
+    env = {**env, "WANDB_SILENT": "true"}
     with tempfile.TemporaryDirectory(prefix="ddpexp-bench-") as tmp:
         work = Path(tmp)
         for r in range(repeats):
-            names = list(LOGGER_VARIANTS)
-            for name in names if r % 2 == 0 else names[::-1]:
+            for name in names[r % len(names):] + names[:r % len(names)]:
                 out = work / f"{name}-{r}"
                 cmd = [sys.executable, "-m", "ddpexp", *case.ddpexp_args(), LOGGER_VARIANTS[name],
                        f"hydra.run.dir={out}"]
-                run_command(cmd, work, env, timeout)
-                rate = steady_rate(_scalars(out / "tb").get("train/samples_per_s", []), case.warmup)
-                rates[name].append(rate or float("nan"))
-                print(f"[{r + 1}/{repeats}] loggers  {name:18s} samples/s {_fmt(rate, 0)}",
+                launched, wall, _ = run_command(cmd, work, env, timeout)
+                scalars = _scalars(out / "tb")
+                rate = steady_rate(scalars.get("train/samples_per_s", []), case.warmup)
+                first = scalars.get("time/first_step_s")
+                first_s = first[0].wall_time - launched if first else None
+                for key, value in (("rate", rate), ("first", first_s), ("wall", wall)):
+                    figures[name][key].append(float("nan") if value is None else value)
+                print(f"[{r + 1}/{repeats}] loggers  {name:18s} samples/s {_fmt(rate, 0)}  "
+                      f"first step {_fmt(first_s)} s  wall {_fmt(wall)} s",
                       file=sys.stderr, flush=True)
-    base = rates["tensorboard"]
+    base = figures["tensorboard"]
+
+    def paired(name: str, key: str) -> float:
+        return statistics.median(v / b for v, b in zip(figures[name][key], base[key], strict=True))
+
     lines = [f"loggers: {describe(case)}, {repeats} round(s), medians", "",
-             "| logger | samples/s | ratio to tensorboard (paired) |", "|---|---|---|"]
-    for name, values in rates.items():
-        ratio = statistics.median(v / b for v, b in zip(values, base, strict=True))
-        lines.append(f"| {LOGGER_VARIANTS[name]} | {statistics.median(values):.0f} | {ratio:.3f} |")
+             "| logger | samples/s | ratio (paired) | launch to first step s | ratio (paired) "
+             "| wall s | ratio (paired) |", "|---|---|---|---|---|---|---|"]
+    for name in names:
+        f = figures[name]
+        lines.append(f"| {LOGGER_VARIANTS[name]} | {statistics.median(f['rate']):.0f} "
+                     f"| {paired(name, 'rate'):.3f} | {statistics.median(f['first']):.2f} "
+                     f"| {paired(name, 'first'):.3f} | {statistics.median(f['wall']):.2f} "
+                     f"| {paired(name, 'wall'):.3f} |")
     return "\n".join(lines)
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
 
 
 FSDP = "fsdp"
