@@ -44,6 +44,7 @@ sweeper in batches of ``max_parallel`` (how a batch sweeper such as hydra-optuna
     python scripts/bench.py --cases search  # the search case only (--quick: 4 short trials)
     python scripts/bench.py --cases loggers # logger=tensorboard vs [tensorboard,mlflow], [..,wandb]
     python scripts/bench.py --cases launchers  # an 8-job sweep: ddp launcher vs Hydra's basic, joblib
+    python scripts/bench.py --cases gaps       # the search's slot gaps over 8 and 32 trials
 """
 
 from __future__ import annotations
@@ -479,6 +480,65 @@ def _sweep_wall_s(output: str) -> float:
     return (stamps[-1] - stamps[0]).total_seconds()
 
 
+# ---------------------------------------------------------------------- the slot gaps case
+GAPS = "gaps"
+JOB_START = re.compile(r"^\[([^\]]+)\]\[HYDRA\]\s+#(\d+) : ", re.M)
+JOB_END = re.compile(r"^\[([^\]]+)\]\[HYDRA\]\s+#(\d+) ended ", re.M)
+
+
+def slot_gaps(output: str) -> list[float]:
+    """Seconds from each job's end to the start of the next job after it, as the launcher
+    logged both (the next start after an end is the freed slot's: the others are busy); an
+    end that no start follows (the search's tail) counts none."""
+    from datetime import datetime
+
+    def stamp(text: str) -> float:
+        return datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+    events = sorted([(m.start(), "start", stamp(m.group(1))) for m in JOB_START.finditer(output)]
+                    + [(m.start(), "end", stamp(m.group(1))) for m in JOB_END.finditer(output)])
+    gaps, ends = [], []
+    for _, kind, at in events:
+        if kind == "end":
+            ends.append(at)
+        elif ends:
+            gaps.append(at - ends.pop(0))
+    return gaps
+
+
+def gaps_bench(quick: bool, repeats: int, env: dict, timeout: float, slots: int = 2) -> str:
+    """The search's slot gaps: optuna_async searches of one-epoch trials (random sampler over
+    lr and batch size, the default digits data) of 8 and of 32 trials on ``slots`` slots; the
+    median and the largest gap from a trial's end to the next trial's start."""
+    sizes = [4] if quick else [8, 32]
+    lines = [f"gaps: optuna_async, one-epoch trials on digits, {slots} slots, {repeats} run(s)",
+             "", "| trials | median gap s | largest gap s | gaps |", "|---|---|---|---|"]
+    with tempfile.TemporaryDirectory(prefix="ddpexp-bench-gaps-") as tmp:
+        for n in sizes:
+            gaps: list[float] = []
+            for r in range(repeats):
+                out = Path(tmp) / f"{n}-{r}"
+                cmd = [sys.executable, "-m", "ddpexp", "-m", "hydra/sweeper=optuna_async",
+                       f"hydra.sweeper.n_trials={n}", "hydra.sweeper.sampler.name=random",
+                       f"hydra.sweeper.sampler.seed={r}", f"hydra.launcher.max_parallel={slots}",
+                       "optimizer.lr=choice(0.01,0.03,0.1)", "data.batch_size=choice(64,128)",
+                       "trainer.max_epochs=1", "trainer.test=false", "trainer.progress_bar=false",
+                       "trainer.log_every_n_steps=100000", f"hydra.sweep.dir={out}"]
+                proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True,
+                                      timeout=timeout, check=False)
+                if proc.returncode != 0:
+                    raise SystemExit(f"exit {proc.returncode}: {' '.join(cmd)}\n"
+                                     f"{proc.stdout}{proc.stderr}")
+                found = slot_gaps(proc.stdout + proc.stderr)
+                gaps += found
+                print(f"[{r + 1}/{repeats}] gaps     {n:3d} trials  median "
+                      f"{_fmt(statistics.median(found), 3)} s  largest {_fmt(max(found), 3)} s",
+                      file=sys.stderr, flush=True)
+            lines.append(f"| {n} | {statistics.median(gaps):.3f} | {max(gaps):.3f} | "
+                         f"{len(gaps)} |")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------- the launchers case
 LAUNCHERS = "launchers"
 # The sweep a researcher runs first: 8 jobs of one worker on the default digits data.
@@ -734,7 +794,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="a subset of: overhead compute startup sweep search (--quick runs search "
                         "only when named; with --gpu: gpu-fp32 gpu-bf16 gpu-dp gpu-fsdp gpu-compile; fsdp: "
                         "the memory case, loggers: a tracker's cost per step, launchers: an 8-job "
-                        "sweep under ddpexp's and Hydra's launchers, each only when named)")
+                        "sweep under ddpexp's and Hydra's launchers, gaps: the search's slot "
+                        "gaps over 8 and 32 trials, each only when named)")
     p.add_argument("--peers", action="store_true",
                    help="add Lightning (scripts/lightning_ddp.py) where it is installed")
     p.add_argument("--gpu", action="store_true", help="the GPU cases instead of the CPU ones")
@@ -752,7 +813,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     repeats = args.repeats or (1 if args.quick or args.dry_run else 3)
     skipped: list[str] = []
-    with_search = with_fsdp = with_loggers = with_launchers = False
+    with_search = with_fsdp = with_loggers = with_launchers = with_gaps = False
     if args.gpu:
         cases, skipped = gpu_cases(args.dry_run, args.cases)
         if not args.dry_run:
@@ -766,7 +827,8 @@ def main(argv: list[str] | None = None) -> None:
         with_fsdp = FSDP in (args.cases or [])
         with_loggers = LOGGERS in (args.cases or [])
         with_launchers = LAUNCHERS in (args.cases or [])
-        others = [c for c in args.cases or [] if c not in (SEARCH, FSDP, LOGGERS, LAUNCHERS)]
+        with_gaps = GAPS in (args.cases or [])
+        others = [c for c in args.cases or [] if c not in (SEARCH, FSDP, LOGGERS, LAUNCHERS, GAPS)]
         cases = make_cases(args.quick, others or None) if others or not args.cases else []
     peers = args.peers and lightning_installed()
     if args.peers and not peers:
@@ -811,6 +873,9 @@ def main(argv: list[str] | None = None) -> None:
     if with_launchers:
         print()
         print(launchers_bench(args.quick, repeats, env, args.timeout))
+    if with_gaps:
+        print()
+        print(gaps_bench(args.quick, repeats, env, args.timeout))
     if args.json:
         Path(args.json).write_text(json.dumps(
             {f"{c}/{r}": [vars(x) for x in runs] for (c, r), runs in res.runs.items()}, indent=2))

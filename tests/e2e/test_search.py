@@ -5,8 +5,10 @@ through the CLI (every trial a real job process)."""
 from __future__ import annotations
 
 import csv
+import re
 import signal
 import time
+from datetime import datetime
 from pathlib import Path
 
 import optuna
@@ -182,19 +184,28 @@ def test_search_keeps_both_slots_busy_prunes_and_survives_a_failed_trial(workdir
     assert len(trials) == 6 and all(t.state.is_finished() for t in trials)
     assert [t.state for t in trials[:4]] == [TrialState.COMPLETE, TrialState.COMPLETE,
                                              TrialState.FAIL, TrialState.PRUNED]
-    # Both slots were busy until the last trial was asked (trials of 1-3 epochs): the trial
-    # seconds inside [first ask, last ask] over 2 x that window. Over the whole search the
-    # tail, where the last trial runs alone while nothing is left to ask, counts too.
-    start = min(t.datetime_start for t in trials)
-    last_ask = max(t.datetime_start for t in trials)
-    end = max(t.datetime_complete for t in trials)
+    # Both slots were busy until the last trial started (trials of 1-3 epochs): the job
+    # seconds inside [first start, last start] over 2 x that window, from the launcher's log
+    # of starts and ends. Over the whole search the tail, where the last trial runs alone
+    # while nothing is left to ask, counts too.
+    starts, ends = _logged(res.output, JOB_START), _logged(res.output, JOB_END)
+    assert sorted(starts) == sorted(ends) == list(range(6))
+    first, last_start, end = min(starts.values()), max(starts.values()), max(ends.values())
 
-    def busy(until) -> float:
-        return sum(max(0.0, (min(t.datetime_complete, until) - t.datetime_start).total_seconds())
-                   for t in trials)
+    def busy(until: float) -> float:
+        return sum(max(0.0, min(ends[n], until) - starts[n]) for n in starts)
 
-    assert busy(last_ask) / (2 * (last_ask - start).total_seconds()) >= 0.85
-    assert busy(end) / (2 * (end - start).total_seconds()) >= 0.75
+    assert busy(last_start) / (2 * (last_start - first)) >= 0.85
+    assert busy(end) / (2 * (end - first)) >= 0.75
+    # A freed slot got its next trial without a round-trip to the study: that trial was
+    # asked while the others ran, and its start is logged before the ended trial is told.
+    # The first four trials to end each freed a slot for one of trials 2-5.
+    lines = res.output.splitlines()
+    for n in sorted(ends, key=ends.__getitem__)[:4]:
+        ended = next(i for i, line in enumerate(lines) if f"#{n} ended (" in line)
+        told = next(i for i, line in enumerate(lines) if f"trial {n}: " in line)
+        started = [i for i, line in enumerate(lines) if JOB_START.search(line) and i > ended]
+        assert started and started[0] < told, lines[ended:told + 1]
 
     pruned = read_metrics(sweep_dir / "3")
     assert pruned["status"] == "pruned" and pruned["epochs"] < 3 and pruned["world_size"] == 2
@@ -272,6 +283,21 @@ def test_interrupted_search_resumes_to_exactly_n_trials(workdir: Path) -> None:
     assert "resumed from" in (sweep_dir / "1" / "ddpexp.log").read_text()
     assert read_metrics(sweep_dir / "1")["epochs"] == 6
     assert len(_summary(sweep_dir)) == 3
+
+
+JOB_START = re.compile(r"^\[([^\]]+)\]\[HYDRA\]\s+#(\d+) : ")
+JOB_END = re.compile(r"^\[([^\]]+)\]\[HYDRA\]\s+#(\d+) ended ")
+
+
+def _logged(output: str, pattern: re.Pattern) -> dict[int, float]:
+    """Job number -> when the launcher logged ``pattern`` for it (its start or its end)."""
+    found = {}
+    for line in output.splitlines():
+        m = pattern.search(line)
+        if m:
+            when = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            found[int(m.group(2))] = when
+    return found
 
 
 def _status(run_dir: Path):

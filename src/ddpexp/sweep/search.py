@@ -5,11 +5,14 @@ An optuna study in ``<sweep dir>/optuna.journal`` (optuna's journal file storage
 processes may read and write it, no database server) is driven by ask/tell on the
 sweep's :class:`~ddpexp.sweep.driver.Driver`, over the backend the launcher offers
 (:mod:`ddpexp.sweep.backend`; the ddp launcher's runs jobs on this machine): whenever there
-is room for a job a trial is asked and its job started, and whenever a job ends its trial is
-told. So the machine
-stays full (``max_parallel: null``), or ``max_parallel`` trials run, at every moment until
-``n_trials`` have been asked. Trial N runs in the sweep's
-job dir N. Each job process gets the trial's identity in its environment
+is room for a job its trial's job is started, and whenever a job ends its trial is told. So
+the machine stays full (``max_parallel: null``), or ``max_parallel`` trials run, at every
+moment until ``n_trials`` have been asked. The next trial is asked and its job composed while
+the running ones run, so a freed slot gets its job at once (a fork, not a round-trip to the
+study and the sampler); the ended trial is told after that start (with
+``hydra.launcher.fail_fast``, the next trial is asked once its slot is free). A trial's ``datetime_start``
+in the study is therefore when it was asked, up to one trial's length before its job started;
+the launcher's log has each job's start. Trial N runs in the sweep's job dir N. Each job process gets the trial's identity in its environment
 (:mod:`ddpexp.callbacks.pruning`), so its rank 0 reports every epoch and the pruner can stop it.
 
 A job that completed gives the trial its best monitored value; a run that the pruner stopped
@@ -169,14 +172,20 @@ class _Search:
                  "ask, %s", self.study.study_name, self.sweep_dir / JOURNAL, done,
                  len(self.cut_off), self.to_ask, backend.describe())
         with driver:
-            waiting = self._fill(driver, None)
+            ready = self._ahead(driver, self._fill(driver, None))
             while driver.running:
                 ended = driver.wait_any()
+                if self.fail_fast and not driver.stopped and any(
+                        j.ret is not None and j.ret.status != JobStatus.COMPLETED for j in ended):
+                    self.failed = True  # before the freed slot is filled: nothing more starts
+                # The freed slot first, with the trial asked while these ran; then the study.
+                ready = self._fill(driver, ready)
                 for job in ended:
                     self._tell(job, driver)
+                ready = self._ahead(driver, self._fill(driver, ready))
                 if ended:
                     summarize(self.launcher, self.jobs, self.sweep_dir, final=False)
-                waiting = self._fill(driver, waiting)
+        waiting = ready
         if waiting is not None and not driver.stopped:
             why = "not run: an earlier trial failed and hydra.launcher.fail_fast=true"
             waiting.ret = JobReturn(overrides=waiting.overrides, cfg=waiting.config,
@@ -197,22 +206,39 @@ class _Search:
         return best
 
     def _fill(self, driver: sweep_driver.Driver, waiting: Job | None) -> Job | None:
-        """Start trials while a slot is free and trials remain; return the job that waits
-        for its GPUs, if one does. A trial is asked only when a slot is free for it, so that
-        its time in the study is its time on a slot."""
-        while not driver.stopped and not (self.failed and self.fail_fast):
+        """Start trials while a slot is free and trials remain, ``waiting`` (the one asked
+        ahead) first; return the job that is left waiting for a slot or its GPUs, if any."""
+        while self._going(driver) and driver.free:
             if waiting is None:
-                waiting = self._next() if driver.free else None
+                waiting = self._runnable(driver)
                 if waiting is None:
                     break
-                if waiting.ret is not None:  # could not compose, or done before
-                    self._tell(waiting, driver)
-                    waiting = None
-                    continue
             if not driver.start(waiting):
                 break
             waiting = None
         return waiting
+
+    def _ahead(self, driver: sweep_driver.Driver, waiting: Job | None) -> Job | None:
+        """The next trial asked and its job composed while the others run, unless one
+        already waits: when a slot frees, starting it is all that is left to do. Not under
+        ``fail_fast``, where a trial asked ahead of a failure would never run, yet stay in the
+        study as failed."""
+        if waiting is None and not self.fail_fast and self._going(driver):
+            return self._runnable(driver)
+        return waiting
+
+    def _going(self, driver: sweep_driver.Driver) -> bool:
+        return not driver.stopped and not (self.failed and self.fail_fast)
+
+    def _runnable(self, driver: sweep_driver.Driver) -> Job | None:
+        """The next trial's job that has to run, telling on the way those that do not
+        (could not compose, or ended before); None when no trial is left to run."""
+        while self._going(driver):
+            job = self._next()
+            if job is None or job.ret is None:
+                return job
+            self._tell(job, driver)
+        return None
 
     def _next(self) -> Job | None:
         """The next trial's job: one cut off before first, then newly asked ones until the
