@@ -21,6 +21,7 @@ failed before training is never silently missing.
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import io
 import json
@@ -82,11 +83,45 @@ class Row:
         return out
 
 
+# Rows read before, by run dir, with the files they were read from as they were then (see
+# read_run): a sweep rewrites its table as each job ends, and re-reading every job's config
+# each time would make that cost grow with the sweep.
+_read_before: dict[str, tuple[tuple, Row]] = {}
+
+
+def _files_now(run_dir: Path) -> tuple:
+    """What identifies the files a row is read from as they are now: inode (each record is
+    written to a new file and renamed over the old), size and mtime, or None if missing."""
+    now = []
+    for path in (run_dir / METRICS_FILE, run_dir / ".hydra" / "overrides.yaml",
+                 run_dir / ".hydra" / "config.yaml"):
+        try:
+            st = path.stat()
+        except OSError:
+            now.append(None)
+            continue
+        now.append((st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(now)
+
+
 def read_run(run_dir: Path, job: str | None = None) -> Row:
-    """The row of one run dir (``job`` names it in the table; default: the dir's name)."""
+    """The row of one run dir (``job`` names it in the table; default: the dir's name). A
+    dir whose files did not change since it was last read is not parsed again."""
     run_dir = Path(run_dir)
-    row = Row(job=job if job is not None else run_dir.name, dir=str(run_dir),
-              overrides=_read_overrides(run_dir), seed=_read_seed(run_dir))
+    files = _files_now(run_dir)
+    before = _read_before.get(str(run_dir))
+    if before is not None and before[0] == files:
+        row = copy.deepcopy(before[1])
+    else:
+        row = _read_run(run_dir)
+        _read_before[str(run_dir)] = (files, copy.deepcopy(row))
+    row.job = job if job is not None else run_dir.name
+    return row
+
+
+def _read_run(run_dir: Path) -> Row:
+    row = Row(job=run_dir.name, dir=str(run_dir), overrides=_read_overrides(run_dir),
+              seed=_read_seed(run_dir))
     try:
         data = read_metrics(run_dir)
     except FileNotFoundError:

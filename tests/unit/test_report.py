@@ -295,3 +295,18 @@ def test_mean_std_cell():
     assert report._mean_std((0.5, None, 1), 1) == "0.5000"
     assert report._mean_std((0.5, 0.25, 2), 3) == "0.5000 ± 0.2500 (2 of 3)"
     assert report._mean_std(None, 2) == ""
+
+
+def test_a_run_dir_is_read_again_only_once_its_files_changed(tmp_path: Path, monkeypatch) -> None:
+    run = fake_run(tmp_path / "0", ["lr=0.1"], {**metrics(0.5, 0.4), "status": "running"})
+    parsed = []
+    read = report._read_run
+    monkeypatch.setattr(report, "_read_run", lambda d: parsed.append(d) or read(d))
+    first = report.read_run(run)
+    first.status, first.overrides[0] = "edited by a caller", "lr=9"  # callers change rows
+    again = report.read_run(run, job="7")
+    assert (again.status, again.overrides, again.job) == ("running", ["lr=0.1"], "7")
+    assert len(parsed) == 1
+    write_metrics(run, metrics(0.9, 0.8))  # as the trainer writes it: a new file renamed over
+    assert (report.read_run(run).status, report.read_run(run).best) == ("completed", 0.9)
+    assert len(parsed) == 2
