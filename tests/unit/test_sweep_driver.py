@@ -51,6 +51,7 @@ class InlineBackend(Backend):
         self.job: Job | None = None
         self.started: list[int] = []
         self.stops: list[tuple[int, bool]] = []
+        self.jobs: list[Job] = []
 
     def describe(self) -> str:
         return "one job at a time, in this process"
@@ -64,6 +65,8 @@ class InlineBackend(Backend):
             return False
         self.job, job.started = job, time.time()
         self.started.append(job.idx)
+        self.jobs.append(job)
+        assert job.config is not None and job.packed is None  # whole again to start it
         return True
 
     def wait(self, timeout: float) -> list[Ended]:
@@ -129,6 +132,16 @@ def test_every_job_runs_and_returns_in_order_and_the_summary_has_a_row_each(app,
     rows = _rows(tmp_path / "sweep")
     assert sorted(rows) == ["0", "1", "2"] and {r["status"] for r in rows.values()} == {"completed"}
     assert rows["1"]["overrides"] == "x=2"
+
+
+def test_a_waiting_job_keeps_its_config_packed_and_an_ended_one_lets_it_go(app, tmp_path):
+    launcher = app()
+    rets = launcher.launch([["x=1"], ["x=2"], ["x=3"]])
+    assert [r.return_value for r in rets] == [0.1, 0.2, 0.3]  # each ran its own config
+    jobs = launcher.backends[0].jobs
+    assert [j.subdir for j in jobs] == ["0", "1", "2"]
+    assert all(j.config is None and j.packed is None for j in jobs)
+    assert all(r.cfg is None and r.hydra_cfg is None for r in rets)
 
 
 def test_a_failed_job_fails_alone_unless_fail_fast(app, tmp_path, capsys):

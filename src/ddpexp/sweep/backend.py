@@ -15,6 +15,8 @@ that does.
 from __future__ import annotations
 
 import json
+import pickle
+import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,8 +50,14 @@ class Job:
 
     idx: int
     overrides: list[str]
+    # Composed by the driver; let go once the job has ended (a sweep of many jobs would
+    # otherwise hold every job's config, and its result's copies, to the end).
     config: DictConfig | None = None
     dir: Path | None = None
+    # Its dir under the sweep dir (hydra.sweep.subdir, as composed): its row in the table.
+    subdir: str | None = None
+    # ``config`` pickled and compressed while the job waits for its turn (see pack()).
+    packed: bytes | None = None
     gpus: int = 0
     # Its run's worker processes on one machine: a core each when the local backend packs.
     workers: int = 1
@@ -66,6 +74,19 @@ class Job:
     stop_signal: str | None = None
     # The signal that interrupted the job (it ended without failing), once it has ended.
     interrupted_by: str | None = None
+
+    def pack(self) -> None:
+        """Keep the config as a few KiB of bytes until the job starts (a sweep composes every
+        job before the first starts; 500 configs held as objects are 80 MB)."""
+        if self.config is not None:
+            self.packed = zlib.compress(pickle.dumps(self.config), 1)
+            self.config = None
+
+    def unpack(self) -> None:
+        """The config as it was composed, before the job starts."""
+        if self.packed is not None:
+            self.config = pickle.loads(zlib.decompress(self.packed))
+            self.packed = None
 
     @property
     def label(self) -> str:

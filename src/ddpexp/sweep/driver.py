@@ -70,6 +70,8 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]],
     log.info("%s: %d job(s) in %s, %s", _name(launcher), len(job_overrides), sweep_dir,
              backend.describe())
     pending = [j for j in jobs if j.ret is None]
+    for job in pending:
+        job.pack()
     failed = any(j.ret is not None and j.outcome == "failed" for j in jobs)
     fail_fast = bool(getattr(launcher, "fail_fast", False))
     with Driver(launcher, backend) as driver:
@@ -151,7 +153,8 @@ def prepare(launcher: Any, overrides: list[str], idx: int, sweep_dir: Path) -> J
             # would pick a fresh dir if the job process resolved it again.
             cfg.hydra.sweep.dir = str(sweep_dir)
         job.config = cfg
-        job.dir = sweep_dir / str(cfg.hydra.sweep.subdir)
+        job.subdir = str(cfg.hydra.sweep.subdir)
+        job.dir = sweep_dir / job.subdir
         job.gpus = int(OmegaConf.select(cfg, "trainer.gpus", default=0) or 0)
         job.workers = job_workers(cfg)
     except Exception as exc:
@@ -242,6 +245,7 @@ class Driver:
 
     def start(self, job: Job) -> bool:
         """Start ``job`` on the backend; False (nothing started) when it does not fit now."""
+        job.unpack()
         if not self.backend.start(job):
             return False
         self.running.append(job)
@@ -256,6 +260,7 @@ class Driver:
             for end in ended:
                 finish(end)
                 self.running.remove(end.job)
+                _let_go(end.job)
             if ended:
                 return [end.job for end in ended]
             for job in self.running:
@@ -316,6 +321,15 @@ def finish(end: Ended) -> None:
     job.interrupted_by = _interruption(job, end.signal)
     log.info("\t#%d ended (%s) after %.1f s", job.idx, job.outcome + (
         f" by {job.interrupted_by}" if job.interrupted_by else ""), job.ended - job.started)
+
+
+def _let_go(job: Job) -> None:
+    """Drop what an ended job no longer needs: its config (about 160 KiB in memory) and the
+    copies of it that its result brought back; its row needs only its outcome."""
+    job.config = None
+    if job.ret is not None:
+        job.ret.cfg = None
+        job.ret.hydra_cfg = None
 
 
 def _interruption(job: Job, ended_by: str | None) -> str | None:

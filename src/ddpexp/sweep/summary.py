@@ -30,7 +30,7 @@ def summarize(launcher: Any, jobs: Sequence[Any], sweep_dir: Path, final: bool =
     for job in jobs:
         if job.ret is None:
             continue
-        key = str(job.config.hydra.sweep.subdir) if job.config is not None else str(job.idx)
+        key = job.subdir if job.subdir is not None else str(job.idx)
         outcome = job.outcome
         launcher.outcomes[key] = (job.overrides, outcome,
                                   None if outcome == "completed" else job_error(job.ret),
