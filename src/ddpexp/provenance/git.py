@@ -19,7 +19,9 @@ GIT_TIMEOUT_S = 5.0
 # the record says which cap was hit.
 MAX_UNTRACKED = 200
 MAX_HASHED_BYTES = 1 << 20
-# What counts as source among untracked files (data, logs and run outputs do not).
+# What counts as source among untracked files (data, logs and run outputs do not): files with
+# these suffixes outside the dirs where runs and sweeps write (Hydra's defaults and ddpexp's).
+OUTPUT_DIRS = frozenset(("outputs", "multirun", ".hydra", "__pycache__"))
 SOURCE_SUFFIXES = (".py", ".pyi", ".yaml", ".yml", ".json", ".toml", ".cfg", ".ini", ".txt",
                    ".md", ".sh", ".c", ".cc", ".cpp", ".h", ".cu", ".pyx")
 
@@ -94,10 +96,12 @@ def repo_state(root: Path) -> tuple[dict, str]:
 
 
 def untracked_files(root: Path, names: list[str]) -> dict:
-    """``untracked``: the untracked source files (path, size, sha256 of each up to
+    """``untracked``: the untracked source files (:data:`SOURCE_SUFFIXES`, outside
+    :data:`OUTPUT_DIRS`; path, size, sha256 of each up to
     :data:`MAX_HASHED_BYTES`), at most :data:`MAX_UNTRACKED`; ``untracked_capped``: which
     cap was hit, where one was."""
-    sources = sorted(n for n in names if n.endswith(SOURCE_SUFFIXES))
+    sources = sorted(n for n in names if n.endswith(SOURCE_SUFFIXES)
+                     and OUTPUT_DIRS.isdisjoint(n.split("/")[:-1]))
     listed, notes = [], []
     for name in sources[:MAX_UNTRACKED]:
         try:
