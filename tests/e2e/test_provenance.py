@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from helpers import read_metrics, run_cli_here, run_cli_in_process
 
-from ddpexp import diff, provenance, rerun
+from ddpexp import diff, provenance, report, rerun
 
 MODEL = textwrap.dedent('''
     from torch import nn
@@ -126,6 +126,14 @@ def test_record_names_the_commit_and_the_uncommitted_change(repo: Path, capsys):
     assert "++    def __init__(self, vocab_size, dim=2 * 4):" in text
     # ... and the changed data file shows under data.
     assert f"data: 1 difference\n  file {repo.parent / 'corpus.txt'}: {len(CORPUS)} bytes" in text
+
+    # The report names what set run c apart beyond its overrides (it has none of its own).
+    rows = {r.job: r for r in report.collect(repo / "outputs")}
+    assert rows["c"].apart == ["other uncommitted changes", "other data"]
+    assert rows["a"].apart == rows["b"].apart == []
+    table = report.format_rows(list(rows.values()))
+    assert "set apart by" in table.splitlines()[0]
+    assert "other uncommitted changes, other data" in table
 
 
 def test_a_sweep_diffs_as_its_swept_keys(repo: Path, monkeypatch, capsys):

@@ -167,6 +167,8 @@ def code_repos(config: Mapping[str, Any], origin: Mapping[str, Any],
             names.add(name)
             patches[name] = patch
         record["patch"] = name
+        record["patch_sha256"] = hashlib.sha256(patch.encode(errors="surrogateescape")).hexdigest() \
+            if patch else None
         repos.append(record)
     return repos, patches
 
