@@ -3,7 +3,8 @@
 
 Sections, each one line where the two runs agree: ``config`` (``key: a -> b``, from
 ``.hydra/config.yaml``), ``code`` (each repo's commit, branch and dirty flag, and the
-difference between the two runs' uncommitted patches, file by file), ``packages``
+difference between the two runs' uncommitted patches, file by file: the changed lines only
+one of them has), ``packages``
 (``name: a -> b``, Python, torch, CUDA, cuDNN, NCCL and the backend included), ``machine and
 environment``, ``data`` (the files read: size and content hash) and ``results`` (status,
 epochs, steps, final, best and test metrics of ``metrics.json``). The code, packages,
@@ -16,7 +17,6 @@ Neither torch nor Hydra is imported: a diff prints in a fraction of a second.
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import re
 import sys
@@ -169,7 +169,8 @@ def changes(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> list[di
 
 def patch_changes(a: Run, b: Run) -> list[dict]:
     """File by file, where the two runs' uncommitted patches differ: ``{"repo", "file",
-    "diff"}``, ``diff`` the unified difference of that file's two patch parts."""
+    "a_only", "b_only"}``, the changed lines (``+``/``-`` lines of the patch) that one run's
+    patch of that file has and the other's has not."""
     pa, pb = a.patches(), b.patches()
     out = []
     for repo in list(pa) + [r for r in pb if r not in pa]:
@@ -177,9 +178,26 @@ def patch_changes(a: Run, b: Run) -> list[dict]:
         for name in sorted(set(fa) | set(fb)):
             if fa.get(name) == fb.get(name):
                 continue
-            lines = difflib.unified_diff(fa.get(name, "").splitlines(), fb.get(name, "").splitlines(),
-                                         f"a: {name}", f"b: {name}", n=1, lineterm="")
-            out.append({"repo": repo, "file": name, "diff": "\n".join(lines)})
+            la, lb = _changed_lines(fa.get(name, "")), _changed_lines(fb.get(name, ""))
+            out.append({"repo": repo, "file": name, "a_only": _minus(la, lb),
+                        "b_only": _minus(lb, la)})
+    return out
+
+
+def _changed_lines(part: str) -> list[str]:
+    return [line for line in part.splitlines()
+            if line[:1] in "+-" and not line.startswith(("+++ ", "--- "))]
+
+
+def _minus(lines: list[str], other: list[str]) -> list[str]:
+    """``lines`` less those ``other`` has (as many times as it has them), in order."""
+    left = list(other)
+    out = []
+    for line in lines:
+        if line in left:
+            left.remove(line)
+        else:
+            out.append(line)
     return out
 
 
@@ -212,8 +230,8 @@ def format_compare(result: Mapping[str, Any]) -> str:
         lines.append(f"{name}: {n} difference{'s' if n != 1 else ''}")
         lines += [f"  {c['key']}: {_show(c['a'])} -> {_show(c['b'])}" for c in entry["changes"]]
         for patch in entry.get("patches") or []:
-            lines.append(f"  uncommitted change of {patch['file']} ({patch['repo']}):")
-            body = patch["diff"].splitlines()
+            lines.append(f"  {patch['file']} ({patch['repo']}): the uncommitted changes differ")
+            body = [f"a only: {x}" for x in patch["a_only"]] + [f"b only: {x}" for x in patch["b_only"]]
             lines += [f"    {line}" for line in body[:_PATCH_LINES]]
             if len(body) > _PATCH_LINES:
                 lines.append(f"    ... {len(body) - _PATCH_LINES} more lines (--json has them all)")

@@ -121,9 +121,9 @@ def test_record_names_the_commit_and_the_uncommitted_change(repo: Path, capsys):
     edited = _run(repo, "c")
     _, text = _diff(capsys, str(run), str(edited))
     assert "config: same\n" in text
-    assert "code: 1 difference\n  uncommitted change of mynet.py" in text
-    assert "-+    def __init__(self, vocab_size, dim=4 + 4):" in text
-    assert "++    def __init__(self, vocab_size, dim=2 * 4):" in text
+    assert (f"code: 1 difference\n  mynet.py ({repo.resolve()}): the uncommitted changes differ\n"
+            "    a only: +    def __init__(self, vocab_size, dim=4 + 4):\n"
+            "    b only: +    def __init__(self, vocab_size, dim=2 * 4):\n") in text
     # ... and the changed data file shows under data.
     assert f"data: 1 difference\n  file {repo.parent / 'corpus.txt'}: {len(CORPUS)} bytes" in text
 

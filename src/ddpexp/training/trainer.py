@@ -97,8 +97,8 @@ class Trainer:
         self.config = config or {}
         self.hparams = hparams or {}
         self.sweep_dir = sweep_dir
-        # RunSpec.origin: a run the CLI started records its provenance (one built in
-        # process, by a test or a measurement, does not).
+        # RunSpec.origin: a run the CLI started records its provenance (one built without
+        # it, by a test or a measurement, does not).
         self.origin = origin
         self.device = ctx.device
         self.monitor = cfg.monitor or self.task.monitor
@@ -346,7 +346,7 @@ class Trainer:
     def _write_provenance(self) -> None:
         """Rank 0 records what made the run (:mod:`ddpexp.provenance`) before its first step;
         a record that cannot be written costs a warning, not the run."""
-        if not self.ctx.is_main or self.origin is None:
+        if not self.ctx.is_main or not self.origin:
             return
         try:
             provenance.write(self.run_dir, config=self.config, source=self.data, ctx=self.ctx,
