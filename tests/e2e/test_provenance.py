@@ -192,3 +192,17 @@ def test_rerun_reproduces_refuses_after_a_change_and_reproduces_in_a_worktree(re
     assert "reproduced" in capsys.readouterr().out
     assert len(list((repo / "outputs" / "rerun").glob("*/*"))) == 2
     assert _git(repo, "worktree", "list").count("\n") == 1  # the scratch worktree is gone
+
+
+def test_a_resume_keeps_the_record_and_adds_its_own(repo: Path):
+    run = _run(repo, "a")
+    first = (run / provenance.PROVENANCE_FILE).read_text()
+    _edit_model(repo, "dim=4 + 4")  # the code changed before the resume: its record says so
+    run_cli_in_process([*_args(repo, "a"), f"resume={run}", "trainer.max_steps=6"], repo,
+                       env={"PYTHONPATH": str(repo)})
+    assert (run / provenance.PROVENANCE_FILE).read_text() == first
+    again = provenance.read(run, resume=1)
+    assert again["resume"] == 1 and again["code"]["repos"][0]["patch"] == "code-resume-1.patch"
+    assert "dim=4 + 4" in (run / "code-resume-1.patch").read_text()
+    assert (run / provenance.PATCH_FILE).read_text() == ""  # the first attempt's tree was clean
+    assert read_metrics(run)["steps"] == 6
