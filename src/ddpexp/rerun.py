@@ -17,7 +17,9 @@ command runs there (config dirs inside that repo are read from the worktree too)
 worktree is removed afterwards. Relative data paths are read from the worktree then: record
 data by absolute paths to rerun that way.
 
-The run happens in this process, as ``python -m ddpexp`` would do it.
+The run happens in this process, as ``python -m ddpexp`` would do it, with the recorded
+numerics environment variables and, where the run had fewer, as many cores as it had (a
+sweep job's slice): its threads are then the recorded run's.
 """
 
 from __future__ import annotations
@@ -125,8 +127,8 @@ def _data_problems(entry: Mapping[str, Any]) -> list[str]:
     now = fingerprint(path)
     if "error" in now:
         return [f"data: {path}: {now['error']}"]
-    for key in ("size", "sha256", "sampled_sha256"):
-        if entry.get(key) != now.get(key):
+    for key in ("size", "sha256", "sampled_sha256"):  # what the record holds of the file
+        if key in entry and entry[key] != now.get(key):
             return [f"data: {path} changed since the run ({key} differs)"]
     return []
 
@@ -213,6 +215,35 @@ def worktree(repo: Mapping[str, Any], run_dir: Path) -> Iterator[Path]:
         shutil.rmtree(where.parent, ignore_errors=True)
 
 
+@contextmanager
+def recorded_environment(record: Mapping[str, Any]) -> Iterator[list[str]]:
+    """The recorded run's numerics environment variables (:data:`ddpexp.provenance.ENV_NAMES`,
+    ``NCCL_*``, ``TORCH_*``: set as recorded, unset where the run had none) and, where it could
+    use fewer cores than this process (a sweep job's slice), that many of them (the threads
+    per worker follow): what a sweep job's rerun needs to reproduce it. Yields what it
+    changed, as words to print; everything is put back on leaving."""
+    env = dict(record.get("env") or {})
+    now = provenance.numerics_env()
+    saved = dict(os.environ)
+    changed = [f"{k}={v}" for k, v in env.items() if now.get(k) != v]
+    changed += [f"{k} unset" for k in now if k not in env]
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    usable = ((record.get("machine") or {}).get("cpu") or {}).get("usable")
+    try:
+        for key in now:
+            os.environ.pop(key, None)
+        os.environ.update(env)
+        if affinity is not None and isinstance(usable, int) and 0 < usable < len(affinity):
+            os.sched_setaffinity(0, sorted(affinity)[:usable])
+            changed.append(f"{usable} of {len(affinity)} cores")
+        yield changed
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        if affinity is not None:
+            os.sched_setaffinity(0, affinity)
+
+
 def run_here(args: Sequence[str], cwd: Path) -> int:
     """``python -m ddpexp ARGS`` in this process, in ``cwd`` (its modules importable, as
     ``python -m`` makes them); its exit status. The working dir, ``sys.path`` and
@@ -285,13 +316,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     target = cwd / named[-1] if named else new_run_dir(cwd)
     extra = [*args.overrides, *([] if named else [f"hydra.run.dir={target}"])]
     try:
-        if args.in_worktree:
-            with worktree(repos[0], run_dir) as where:
-                moved = (Path(str(repos[0]["path"])), where)
-                inside = _moved(str(cwd), moved, None)
-                code = run_here(command_args(record, extra, moved), Path(inside))
-        else:
-            code = run_here(command_args(record, extra), cwd)
+        with recorded_environment(record) as changed:
+            if changed:
+                print(f"ddpexp.rerun: as the run had it: {', '.join(changed)}", file=sys.stderr)
+            if args.in_worktree:
+                with worktree(repos[0], run_dir) as where:
+                    moved = (Path(str(repos[0]["path"])), where)
+                    inside = _moved(str(cwd), moved, None)
+                    code = run_here(command_args(record, extra, moved), Path(inside))
+            else:
+                code = run_here(command_args(record, extra), cwd)
     except Refused as exc:
         print(f"ddpexp.rerun: {exc}", file=sys.stderr)
         return 1

@@ -12,19 +12,24 @@ from typing import Any
 
 FULL_HASH_BYTES = 8 << 20
 SAMPLES, SAMPLE_BYTES = 16, 64 << 10
-# Files fingerprinted per dataset (an image folder may hold millions); past it, the record
-# says so.
+# Files fingerprinted per dataset (an image folder may hold millions), and the bytes read to
+# hash them in all; past either, the record says so (past the second, files are listed with
+# size and mtime only).
 MAX_FILES = 2000
+HASH_BUDGET_BYTES = 64 << 20
 
 
-def fingerprint(path: Path) -> dict:
-    """One file's fingerprint: ``path``, ``size``, ``mtime`` and ``sha256`` (of the whole
-    file) or ``sampled_sha256`` (of sampled blocks, with how many)."""
+def fingerprint(path: Path, hash_it: bool = True) -> dict:
+    """One file's fingerprint: ``path``, ``size``, ``mtime`` and (with ``hash_it``)
+    ``sha256`` (of the whole file) or ``sampled_sha256`` (of sampled blocks, with how
+    many)."""
     try:
         st = path.stat()
     except OSError as exc:
         return {"path": str(path), "error": exc.strerror or str(exc)}
     entry: dict[str, Any] = {"path": str(path), "size": st.st_size, "mtime": st.st_mtime}
+    if not hash_it:
+        return entry
     digest = hashlib.sha256()
     try:
         with open(path, "rb") as f:
@@ -75,9 +80,18 @@ def data_record(source: Any, packages: dict[str, str]) -> dict:
         record["package"] = {"name": package, "version": packages.get(_norm(package))}
     if paths:
         files, note = files_under(paths)
-        record["files"] = [fingerprint(p) for p in files]
-        if note:
-            record["files_capped"] = note
+        record["files"], budget = [], HASH_BUDGET_BYTES
+        for path in files:
+            entry = fingerprint(path, hash_it=budget > 0)
+            size = int(entry.get("size") or 0)
+            budget -= size if size <= FULL_HASH_BYTES else SAMPLES * SAMPLE_BYTES
+            record["files"].append(entry)
+        notes = [note] if note else []
+        if budget <= 0 and any("size" in e and "sha256" not in e and "sampled_sha256" not in e
+                               for e in record["files"]):
+            notes.append(f"over {HASH_BUDGET_BYTES >> 20} MiB read: the files after it not hashed")
+        if notes:
+            record["files_capped"] = "; ".join(notes)
     return record
 
 
