@@ -188,9 +188,14 @@ def test_rerun_reproduces_refuses_after_a_change_and_reproduces_in_a_worktree(re
     assert f"code: {repo / 'mynet.py'}: changed since the run" in err and "--force" in err
     assert len(list((repo / "outputs" / "rerun").glob("*/*"))) == 1  # nothing started
 
+    # --force runs anyway (the new argument is unused: the same model, the same metrics).
+    assert _rerun(str(run), "--force") == 0, capsys.readouterr()
+    out = capsys.readouterr()
+    assert "--force: running although" in out.err and "reproduced" in out.out
+
     assert _rerun(str(run), "--in-worktree") == 0, capsys.readouterr()
     assert "reproduced" in capsys.readouterr().out
-    assert len(list((repo / "outputs" / "rerun").glob("*/*"))) == 2
+    assert len(list((repo / "outputs" / "rerun").glob("*/*"))) == 3
     assert _git(repo, "worktree", "list").count("\n") == 1  # the scratch worktree is gone
 
 

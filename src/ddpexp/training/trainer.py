@@ -352,8 +352,8 @@ class Trainer:
             provenance.write(self.run_dir, config=self.config, source=self.data, ctx=self.ctx,
                              origin=self.origin,
                              backend=dist.get_backend() if dist.is_initialized() else None)
-        except (OSError, ValueError) as exc:
-            log.warning("provenance.json not written: %s", exc)
+        except Exception as exc:  # a full disk, a user's data_files() that raises: not the run's end
+            log.warning("provenance.json not written: %s: %s", type(exc).__name__, exc)
 
     def _loop(self) -> None:
         while self.epoch < self.t.max_epochs and not self._steps_done():
