@@ -172,7 +172,7 @@ def _rerun(*args: str) -> int:
 
 
 def test_rerun_reproduces_refuses_after_a_change_and_reproduces_in_a_worktree(repo: Path, capsys):
-    _edit_model(repo, "dim=6")  # an uncommitted change the run depends on
+    _edit_model(repo, "dim=6")  # an uncommitted change in the run's patch
     run = _run(repo, "a")
 
     assert _rerun(str(run)) == 0, capsys.readouterr()
@@ -182,19 +182,22 @@ def test_rerun_reproduces_refuses_after_a_change_and_reproduces_in_a_worktree(re
     assert read_metrics(again)["final"] == read_metrics(run)["final"]
     assert read_metrics(again)["best"] == read_metrics(run)["best"]
 
-    _edit_model(repo, "dim=6, extra=None")
+    path = repo / "mynet.py"  # another model now
+    path.write_text(path.read_text().replace("self.embed(x))", "self.embed(x).tanh())"))
     assert _rerun(str(run)) == 1
     err = capsys.readouterr().err
     assert f"code: {repo / 'mynet.py'}: changed since the run" in err and "--force" in err
     assert len(list((repo / "outputs" / "rerun").glob("*/*"))) == 1  # nothing started
 
-    # --force runs anyway (the new argument is unused: the same model, the same metrics).
-    assert _rerun(str(run), "--force") == 0, capsys.readouterr()
-    out = capsys.readouterr()
-    assert "--force: running although" in out.err and "reproduced" in out.out
+    # --force runs anyway: the other model's metrics, said so.
+    assert _rerun(str(run), "--force") == 1
+    err = capsys.readouterr().err
+    assert "--force: running although" in err and f"did not reproduce {run}:\n  " in err
 
+    # In a worktree of the recorded commit plus patch: the run's own model again.
     assert _rerun(str(run), "--in-worktree") == 0, capsys.readouterr()
     assert "reproduced" in capsys.readouterr().out
+    assert ".tanh()" in path.read_text()  # the user's tree is left as it was
     assert len(list((repo / "outputs" / "rerun").glob("*/*"))) == 3
     assert _git(repo, "worktree", "list").count("\n") == 1  # the scratch worktree is gone
 
