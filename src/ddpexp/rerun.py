@@ -77,6 +77,12 @@ def check(record: Mapping[str, Any], run_dir: Path, in_worktree: bool = False) -
         problems.append(f"python: recorded {recorded}, running {platform.python_version()}")
     for entry in (record.get("data") or {}).get("files") or []:
         problems += _data_problems(entry)
+    world = (record.get("machine") or {}).get("world") or {}
+    if world.get("launcher", "ddpexp") != "ddpexp":
+        problems.append(f"world: {world.get('ranks')} rank(s) that {world.get('launcher')} started; "
+                        "this rerun would be ddpexp's own fan-out of the recorded config: rerun "
+                        f"under {world.get('launcher')} with its command "
+                        f"({(record.get('command') or {}).get('line')})")
     return problems
 
 

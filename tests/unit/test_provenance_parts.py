@@ -73,3 +73,23 @@ def test_changes_and_config_hash():
         {"key": "b", "a": 2, "b": 3}, {"key": "c", "a": "(absent)", "b": 4}]
     assert provenance.config_hash({"x": 1, "y": [1]}) == provenance.config_hash({"y": [1], "x": 1})
     assert provenance.config_hash({"x": 1}) != provenance.config_hash({"x": 2})
+
+
+def test_rerun_checks_packages_data_and_who_started_the_ranks(tmp_path: Path):
+    import platform
+
+    from ddpexp.rerun import check
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("abc")
+    record = {"packages": {**provenance.installed_packages(), "torch": "0.1"},
+              "versions": {"python": platform.python_version()},
+              "data": {"files": [data.fingerprint(corpus)]},
+              "machine": {"world": {"launcher": "torchrun", "ranks": 2}},
+              "command": {"line": "python -m ddpexp model=mlp"}}
+    corpus.write_text("abcd")
+    problems = check(record, tmp_path)
+    assert problems[0].startswith("package torch: recorded 0.1, installed ")
+    assert problems[1] == f"data: {corpus} changed since the run (size differs)"
+    assert problems[2].startswith("world: 2 rank(s) that torchrun started;")
+    assert len(problems) == 3
