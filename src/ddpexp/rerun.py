@@ -105,9 +105,12 @@ def _code_problems(repo: Mapping[str, Any], run_dir: Path) -> list[str]:
                    "uncommitted change not in the run" if name in current else
                    "the run's uncommitted change is not in the tree")
             out.append(f"code: {root / name}: {how}")
-    now = {e["path"]: e.get("sha256") for e in state.get("untracked") or []}
+    now = {e["path"]: e for e in state.get("untracked") or []}
     for entry in repo.get("untracked") or []:
-        if now.get(entry["path"], "missing") != entry.get("sha256"):
+        here = now.get(entry["path"])
+        # Compared by content where the record hashed it, else by size.
+        key = "sha256" if entry.get("sha256") else "size"
+        if here is None or here.get(key) != entry.get(key):
             out.append(f"code: untracked {root / entry['path']} "
                        f"{'is gone' if entry['path'] not in now else 'changed since the run'}")
     return out

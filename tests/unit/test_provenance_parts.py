@@ -93,3 +93,23 @@ def test_rerun_checks_packages_data_and_who_started_the_ranks(tmp_path: Path):
     assert problems[1] == f"data: {corpus} changed since the run (size differs)"
     assert problems[2].startswith("world: 2 rank(s) that torchrun started;")
     assert len(problems) == 3
+
+
+def test_rerun_checks_the_untracked_files_and_the_commit(tmp_path: Path):
+    from ddpexp.rerun import _code_problems
+
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "a.py").write_text("a = 1\n")
+    _git(tmp_path, "add", "a.py")
+    _git(tmp_path, "commit", "-qm", "one")
+    (tmp_path / "new.py").write_text("b = 1\n")
+    record, _ = git.repo_state(tmp_path)
+    assert _code_problems(record, tmp_path) == []
+    (tmp_path / "new.py").write_text("b = 2\n")
+    assert _code_problems(record, tmp_path) == [
+        f"code: untracked {tmp_path.resolve() / 'new.py'} changed since the run"]
+    (tmp_path / "new.py").unlink()
+    _git(tmp_path, "commit", "-qm", "two", "--allow-empty")
+    problems = _code_problems(record, tmp_path)
+    assert problems[0].startswith(f"code: {tmp_path.resolve()} is at commit ")
+    assert problems[1] == f"code: untracked {tmp_path.resolve() / 'new.py'} is gone"

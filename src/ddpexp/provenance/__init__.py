@@ -231,7 +231,7 @@ def ddpexp_code(repos: list[dict]) -> dict:
     root = git.repo_root(package) if out["editable"] else None
     if root is not None:
         same = next((r for r in repos if r.get("path") == str(root)), None)
-        state = same or git.repo_state(root)[0]
+        state = same or git.repo_state(root, with_patch=False)[0]
         out.update({k: state.get(k) for k in ("commit", "branch", "dirty")}, repo=str(root))
     return out
 

@@ -19,6 +19,8 @@ GIT_TIMEOUT_S = 5.0
 # the record says which cap was hit.
 MAX_UNTRACKED = 200
 MAX_HASHED_BYTES = 1 << 20
+# The bytes of untracked files hashed per repo in all; the files past it are listed unhashed.
+UNTRACKED_BUDGET_BYTES = 16 << 20
 # What counts as source among untracked files (data, logs and run outputs do not): files with
 # these suffixes outside the dirs where runs and sweeps write (Hydra's defaults and ddpexp's).
 OUTPUT_DIRS = frozenset(("outputs", "multirun", ".hydra", "__pycache__"))
@@ -62,9 +64,9 @@ def repo_root(path: Path | str) -> Path | None:
     return None
 
 
-def repo_state(root: Path) -> tuple[dict, str]:
-    """The record of the repo at ``root`` and its uncommitted diff of tracked files
-    (``git diff HEAD``, text; empty for a clean tree)."""
+def repo_state(root: Path, with_patch: bool = True) -> tuple[dict, str]:
+    """The record of the repo at ``root`` and (``with_patch``) its uncommitted diff of
+    tracked files (``git diff HEAD``, text; empty for a clean tree)."""
     record: dict = {"path": str(root)}
     try:
         status = git(root, "status", "--porcelain=v2", "--branch", "-z", "--untracked-files=all")
@@ -87,7 +89,7 @@ def repo_state(root: Path) -> tuple[dict, str]:
     record["changed"] = sorted(changed)
     record.update(untracked_files(root, untracked))
     patch = ""
-    if changed and record.get("commit"):
+    if changed and record.get("commit") and with_patch:
         try:
             patch = git(root, "diff", "HEAD", "--binary")
         except GitError as exc:
@@ -102,17 +104,20 @@ def untracked_files(root: Path, names: list[str]) -> dict:
     cap was hit, where one was."""
     sources = sorted(n for n in names if n.endswith(SOURCE_SUFFIXES)
                      and OUTPUT_DIRS.isdisjoint(n.split("/")[:-1]))
-    listed, notes = [], []
+    listed, notes, budget = [], [], UNTRACKED_BUDGET_BYTES
     for name in sources[:MAX_UNTRACKED]:
         try:
             size = os.stat(root / name).st_size
         except OSError:
             continue
         entry: dict = {"path": name, "size": size}
-        if size <= MAX_HASHED_BYTES:
-            entry["sha256"] = file_sha256(root / name)
-        else:
+        if size > MAX_HASHED_BYTES:
             notes.append(f"{name}: {size} bytes, over {MAX_HASHED_BYTES} (not hashed)")
+        elif size > budget:
+            notes.append(f"{name}: past {UNTRACKED_BUDGET_BYTES} bytes hashed in all (not hashed)")
+        else:
+            entry["sha256"] = file_sha256(root / name)
+            budget -= size
         listed.append(entry)
     if len(sources) > MAX_UNTRACKED:
         notes.append(f"{len(sources)} untracked source files, the first {MAX_UNTRACKED} listed")
