@@ -39,6 +39,15 @@ def _git(repo: Path, *args: str) -> str:
                           check=True, capture_output=True, text=True, timeout=30).stdout
 
 
+@pytest.fixture(autouse=True)
+def forget_the_user_module():
+    """Each test's repo has its own ``mynet``: none is left imported for the next test (a
+    sweep in this process imports it outside the helpers that forget it)."""
+    sys.modules.pop("mynet", None)
+    yield
+    sys.modules.pop("mynet", None)
+
+
 @pytest.fixture
 def repo(tmp_path: Path) -> Path:
     """A git repo holding the user's model module and config dir, committed; the data file
