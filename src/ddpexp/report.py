@@ -38,14 +38,15 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from ddpexp import provenance
 from ddpexp.errors import naming
 from ddpexp.record import METRICS_FILE, UnreadableRecord, read_metrics
 
 FORMATS = ("text", "md", "csv", "json")
 NO_METRICS = "no metrics"
 # Columns of every format, in order (csv/json use the field names, text/md the titles).
-COLUMNS = ("job", "overrides", "status", "final", "best", "test", "epochs", "steps", "wall_time_s",
-           "error")
+COLUMNS = ("job", "overrides", "apart", "status", "final", "best", "test", "epochs", "steps",
+           "wall_time_s", "error")
 
 
 @dataclass
@@ -73,12 +74,16 @@ class Row:
     # ({"val/mse": .., "test/mse": .., ...}).
     metrics: dict = field(default_factory=dict)
     seed: int | None = None
+    # What set the run apart from the others beyond its overrides, from the runs'
+    # provenance.json: "dirty tree", "commit 1a2b3c4d", "host gpu7", ... (see set_apart).
+    apart: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         """Plain values, overrides joined by spaces, one key per final metric (what csv and
         json hold)."""
         out = asdict(self)
         out["overrides"] = " ".join(self.overrides)
+        out["apart"] = "; ".join(self.apart)
         out.update(out.pop("metrics"))
         return out
 
@@ -177,7 +182,54 @@ def collect(root: Path) -> list[Row]:
     rows = [read_run(d, job=str(d.relative_to(root)) if d != root else d.name)
             for d in run_dirs(root)]
     _fill_from_summary(root, rows)
+    set_apart(rows)
     return sort_rows(rows)
+
+
+def set_apart(rows: Sequence[Row]) -> None:
+    """Fill each row's ``apart``: where its run's provenance (the working dir's commit and
+    uncommitted patch, the host, the packages, the data files) differs from what most of
+    the runs had. Runs without a record are left out of the count."""
+    facts: list[dict[str, str] | None] = []
+    for row in rows:
+        try:
+            facts.append(_provenance_facts(provenance.read(row.dir or "")))
+        except (FileNotFoundError, ValueError):
+            facts.append(None)
+    known = [f for f in facts if f is not None]
+    if len(known) < 2:
+        return
+    common = {k: statistics.mode([f.get(k, "") for f in known]) for k in known[0]}
+    for row, fact in zip(rows, facts, strict=True):
+        if fact is not None:
+            row.apart = [_apart_label(k, fact, common) for k in common
+                         if fact.get(k, "") != common[k]]
+
+
+def _provenance_facts(record: dict) -> dict[str, str]:
+    """The parts of a provenance record that tell runs apart, each as one string."""
+    repos = (record.get("code") or {}).get("repos") or [{}]
+    first = repos[0]
+    patch = json.dumps([first.get("patch_sha256"), first.get("untracked")], sort_keys=True)
+    data = (record.get("data") or {}).get("files") or []
+    return {
+        "commit": str(first.get("commit") or "")[:8],
+        "tree": f"{'dirty' if first.get('dirty') else 'clean'}:{patch}",
+        "host": str((record.get("machine") or {}).get("host") or ""),
+        "packages": json.dumps([record.get("packages"), record.get("versions")], sort_keys=True),
+        "data": json.dumps([(f.get("path"), f.get("size"), f.get("sha256") or f.get("sampled_sha256"))
+                            for f in data]),
+    }
+
+
+def _apart_label(key: str, fact: dict[str, str], common: dict[str, str]) -> str:
+    if key == "tree":
+        if not fact["tree"].startswith("dirty"):
+            return "clean tree"
+        return "other uncommitted changes" if common["tree"].startswith("dirty") else "dirty tree"
+    if key in ("commit", "host"):
+        return f"{key} {fact[key]}"
+    return f"other {key}"
 
 
 def _fill_from_summary(root: Path, rows: Sequence[Row]) -> None:
@@ -558,15 +610,18 @@ def _metric_columns(rows: Sequence[Any], skip: str | None) -> list[str]:
 
 
 def _columns(rows: Sequence[Row]) -> list[str]:
-    """COLUMNS, with the task's other metrics after the monitored one's test value."""
+    """COLUMNS, with the task's other metrics after the monitored one's test value; ``apart``
+    only where some run was set apart."""
     at = COLUMNS.index("test") + 1
-    return [*COLUMNS[:at], *_metric_columns(rows, _monitor(rows)), *COLUMNS[at:]]
+    columns = [*COLUMNS[:at], *_metric_columns(rows, _monitor(rows)), *COLUMNS[at:]]
+    return [c for c in columns if c != "apart" or any(r.apart for r in rows)]
 
 
 def _titles(rows: Sequence[Any], columns: Sequence[str]) -> list[str]:
     metric = _monitor(rows)
     names = {"final": f"final {metric or 'metric'}", "best": f"best {metric or 'metric'}",
-             "test": test_name(metric) if metric else "test", "wall_time_s": "wall s"}
+             "test": test_name(metric) if metric else "test", "wall_time_s": "wall s",
+             "apart": "set apart by"}
     return [names.get(c, c) for c in columns]
 
 
@@ -588,6 +643,8 @@ def _cell(row: Row, column: str, varying: set | None = None) -> str:
     if column == "overrides":
         # The table shows what differs between runs; csv/json keep every override.
         return " ".join(o for o in value if varying is None or o in varying)
+    if column == "apart":
+        return ", ".join(value)
     if column == "error":
         # One line in a table; the full text is in the csv/json and the job's log.
         text = " ".join(str(value).split())

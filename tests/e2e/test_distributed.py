@@ -69,7 +69,7 @@ def test_two_workers_one_run_dir_rank0_writes(workdir):
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
         "best.pt", "best.pt.sha256", "last.pt", "last.pt.sha256"]
     assert sorted(p.name for p in run_dir.iterdir()) == [
-        ".hydra", "checkpoints", "ddpexp.log", "metrics.json", "tb"]
+        ".hydra", "checkpoints", "ddpexp.log", "metrics.json", "provenance.json", "tb"]
     assert "[rank1]" not in (run_dir / "ddpexp.log").read_text()
     assert "2 worker(s): strategy=ddp" in res.output
     # 2 batches per rank and epoch -> 4 optimizer steps in all, logged once each.

@@ -65,6 +65,9 @@ class RunSpec:
     # What this resume changes against the checkpoint's config, each change the parent let
     # through: [{"key", "from", "to"}] (ddpexp.config.resume).
     resume_changes: list = field(default_factory=list)
+    # Where the run came from, as the parent saw it, for provenance.json: the command line
+    # as typed, this job's overrides, the working and config dirs, the launcher.
+    origin: dict = field(default_factory=dict)
 
     @classmethod
     def build(cls, config: Mapping[str, Any], plan: Plan, run_dir: Path, log_file: Path,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -116,6 +117,16 @@ class DataSource:
     def load(self) -> tuple[Dataset, ...]:
         """Return ``(train, val, test)``, or ``(train, val)`` for data without a test split."""
         raise NotImplementedError
+
+    # The distribution the data ships with (``scikit-learn``), for the run's provenance.
+    ships_with: str | None = None
+
+    def data_files(self) -> list[Path]:
+        """The files and dirs the data is read from, which the run's ``provenance.json``
+        fingerprints: by default a ``path`` or ``root`` attribute of the source, where it has
+        one; none for data made by code."""
+        found = [getattr(self, name, None) for name in ("path", "root")]
+        return [Path(p) for p in found if isinstance(p, (str, Path))]
 
     def loader(
         self,

@@ -22,6 +22,8 @@ class Digits(DataSource):
     """scikit-learn's handwritten digits, split three ways (stratified, ``split_seed``) and
     standardised with the training split's statistics."""
 
+    ships_with = "scikit-learn"
+
     def __init__(self, val_fraction: float = 0.1, test_fraction: float = 0.1, split_seed: int = 0,
                  **kwargs: Any):
         super().__init__(**kwargs)
@@ -246,6 +248,9 @@ class MNIST(_TorchvisionSource):
         False: ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
     }
 
+    def data_files(self) -> list[Path]:
+        return [self.root / self.dataset_name / "raw"]
+
     def _find(self, raw: Path, name: str) -> Path | None:
         for candidate in (raw / name, raw / f"{name}.gz"):
             if candidate.is_file():
@@ -319,6 +324,9 @@ class CIFAR10(_TorchvisionSource):
     def __init__(self, verify: bool = True, **kwargs: Any):
         super().__init__(**kwargs)
         self.verify = verify
+
+    def data_files(self) -> list[Path]:
+        return [self.root / "cifar-10-batches-py"]
 
     def _read(self, path: Path, md5: str) -> tuple[np.ndarray, list]:
         from torchvision.datasets.utils import check_integrity
@@ -442,6 +450,8 @@ class _ImageLoader:
 class Diabetes(DataSource):
     """scikit-learn's diabetes data (442 patients x 10 features, a disease-progression target),
     features and target standardised with the training split's statistics."""
+
+    ships_with = "scikit-learn"
 
     def __init__(self, val_fraction: float = 0.1, test_fraction: float = 0.1, split_seed: int = 0,
                  **kwargs: Any):

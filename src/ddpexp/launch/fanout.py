@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -25,7 +26,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ddpexp.config.cli import env_flag
+from ddpexp.config.cli import env_flag, sweep_command
 from ddpexp.config.schema import to_plain
 from ddpexp.config.spec import Plan, RunSpec
 from ddpexp.config.validate import validate
@@ -130,7 +131,8 @@ def _prepare(cfg: DictConfig, hydra_cfg: Any, run_dir: Path, world: World | None
     spec = RunSpec.build(plain, plan, run_dir=run_dir, log_file=run_dir / f"{hydra_cfg.job.name}.log",
                          hparams=overrides_as_hparams(list(hydra_cfg.overrides.task)),
                          sweep_dir=Path(hydra_cfg.sweep.dir).absolute()
-                         if hydra_cfg.mode == RunMode.MULTIRUN else None)
+                         if hydra_cfg.mode == RunMode.MULTIRUN else None,
+                         origin=run_origin(hydra_cfg, world))
     resume = checkpoint.find(cfg.resume, run_dir, base=Path(hydra_cfg.runtime.cwd))
     if resume is None and cfg.resume is None and under_submitit():
         # A submitit job requeued after SLURM's pre-timeout signal runs again in its own job
@@ -146,6 +148,23 @@ def _prepare(cfg: DictConfig, hydra_cfg: Any, run_dir: Path, world: World | None
     # where the checkpoint cannot take it; the trainer applies the rest.
     changes = checked_changes(saved["config"], spec.config, cfg.resume, run_dir, hydra_cfg)
     return dataclasses.replace(spec, resume_from=resume, resume_changes=changes)
+
+
+def run_origin(hydra_cfg: Any, world: World | None) -> dict:
+    """Where the run came from, for its ``provenance.json`` (``RunSpec.origin``): the command
+    line as typed (a sweep's, for its job), this job's overrides, the working dir, the config
+    dirs on the search path, and who started the ranks."""
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    return {
+        "argv": (sweep_command() if multirun else None) or sys.argv[1:],
+        "job_overrides": list(hydra_cfg.overrides.task),
+        "cwd": str(hydra_cfg.runtime.cwd),
+        "config_dirs": [str(s.path) for s in hydra_cfg.runtime.config_sources
+                        if s.schema == "file" and s.path],
+        "mode": "multirun" if multirun else "run",
+        "launcher": world.launcher if world is not None else "ddpexp",
+        "executable": sys.executable,
+    }
 
 
 def _record_refusal(cfg: DictConfig, run_dir: Path, exc: BaseException) -> None:

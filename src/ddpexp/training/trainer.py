@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
-from ddpexp import strategies
+from ddpexp import provenance, strategies
 from ddpexp.callbacks.base import Callback, Dispatch
 from ddpexp.callbacks.checkpoint import ModelCheckpoint
 from ddpexp.callbacks.state import Best, RunState
@@ -88,6 +88,7 @@ class Trainer:
         sweep_dir: Path | None = None,
         callbacks: Mapping[str, Callback] | None = None,
         loggers: Mapping[str, Any] | None = None,
+        origin: Mapping[str, Any] | None = None,
     ):
         self.t, self.ctx, self.run_dir = cfg, ctx, Path(run_dir)
         # Where this rank is, for the launching process's stall watchdog (a no-op without one).
@@ -96,6 +97,9 @@ class Trainer:
         self.config = config or {}
         self.hparams = hparams or {}
         self.sweep_dir = sweep_dir
+        # RunSpec.origin: a run the CLI started records its provenance (one built without
+        # it, by a test or a measurement, does not).
+        self.origin = origin
         self.device = ctx.device
         self.monitor = cfg.monitor or self.task.monitor
         self.monitor_mode = cfg.monitor_mode.value if cfg.monitor_mode else self.task.monitor_mode
@@ -134,7 +138,7 @@ class Trainer:
         from ddpexp.training.build import build_parts
 
         return cls(ctx=ctx, run_dir=spec.run_dir, hparams=spec.hparams, sweep_dir=spec.sweep_dir,
-                   **build_parts(spec.config, spec.trainer, ctx))
+                   origin=spec.origin, **build_parts(spec.config, spec.trainer, ctx))
 
     @classmethod
     def from_config(cls, config: dict, ctx: DistContext, run_dir: Path,
@@ -312,6 +316,7 @@ class Trainer:
                 # This attempt's record from here on: one that fails now is not taken for
                 # the earlier attempt's (completed) run.
                 write_metrics(self.run_dir, self._result())
+        self._write_provenance()
         self._open_loggers()
         try:
             with strategies.debug_modes(self.t), contextlib.closing(self.beat):
@@ -337,6 +342,18 @@ class Trainer:
         if self.ctx.is_main:
             write_metrics(self.run_dir, result)
         return result
+
+    def _write_provenance(self) -> None:
+        """Rank 0 records what made the run (:mod:`ddpexp.provenance`) before its first step;
+        a record that cannot be written costs a warning, not the run."""
+        if not self.ctx.is_main or not self.origin:
+            return
+        try:
+            provenance.write(self.run_dir, config=self.config, source=self.data, ctx=self.ctx,
+                             origin=self.origin,
+                             backend=dist.get_backend() if dist.is_initialized() else None)
+        except Exception as exc:  # a full disk, a user's data_files() that raises: not the run's end
+            log.warning("provenance.json not written: %s: %s", type(exc).__name__, exc)
 
     def _loop(self) -> None:
         while self.epoch < self.t.max_epochs and not self._steps_done():
