@@ -32,6 +32,8 @@ MISTAKES = [
      "data.prefetch_factor=-1 must be >= 1, a whole number, or null"),
     (["data.prefetch_factor=2"], "data.prefetch_factor=2 needs data.num_workers > 0"),
     (["hydra.run.dir=/proc/forbidden"], "cannot create the run dir /proc/forbidden"),
+    (["model._target_=nope.Model"], "model._target_: cannot import nope.Model (no module named "
+                                    "'nope'); check the dotted path"),
 ]
 
 
@@ -84,6 +86,14 @@ LATE_MISTAKES = [
      "unknown key callbacks.early_stopping.patiense: did you mean callbacks.early_stopping.patience?"),
     (["~callbacks.emma"], "unknown entry callbacks.emma: did you mean callbacks.ema?"),
     (["logger.tensorbord.flush_secs=5"], "unknown entry logger.tensorbord: did you mean logger.tensorboard?"),
+    # Typos of group names, top-level keys and the keys of a node built by its _target_.
+    (["modle=mlp"], "unknown group or key modle: did you mean model=mlp?\n(groups: "),
+    (["seeed=3"], "unknown group or key seeed: did you mean seed=3?"),
+    (["model.hiden=[64]"], "unknown key model.hiden: did you mean model.hidden?\n(model: "),
+    # Hydra's advice for the typo above, followed: refused before any worker starts.
+    (["+model.hiden=[64]"], "model.hiden: ddpexp.models.MLP takes no argument hiden; did you mean "
+                            "model.hidden? (ddpexp.models.MLP takes: input_shape, num_classes, "
+                            "hidden, dropout)"),
 ]
 
 

@@ -219,13 +219,16 @@ def run(cfg: DictConfig) -> float | None:
 
 
 def check_parts(plain: dict, run_dir: Path) -> None:
-    """Refuse a bad ``callbacks`` or ``logger`` entry (no ``_target_``, one that does not
-    import, a class of the wrong kind) with one message, before any worker starts; then let
-    each logger prepare its store (an MLflow database's schema, say)."""
+    """Refuse a bad ``_target_`` of the task, model, data, optimizer or scheduler (one that
+    does not import, a key it takes no argument for) and a bad ``callbacks`` or ``logger``
+    entry (no ``_target_``, one that does not import, a class of the wrong kind) with one
+    message, before any worker starts; then let each logger prepare its store (an MLflow
+    database's schema, say)."""
     from ddpexp.callbacks import Callback
     from ddpexp.config import components
     from ddpexp.loggers import outputs_root, prepare_loggers
 
+    components.check_nodes(plain)
     components.check("callbacks", plain.get("callbacks"), Callback)
     prepare_loggers(plain.get("logger") or {}, outputs_root(run_dir))
 
