@@ -262,3 +262,20 @@ def test_an_error_of_the_one_worker_in_this_process_is_said_as_under_ddp(tmp_pat
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["status"] == "failed" and "injected failure on rank 0" in metrics["error"]
     assert "Traceback" in (run_dir / "ddpexp.log").read_text()
+
+
+def test_max_parallel_below_one_is_refused_before_the_sweep_writes(tmp_path, monkeypatch, capsys):
+    """On the command line (before Hydra starts) and from a config file (by the launcher):
+    it used to run the jobs one at a time without a word."""
+    says = ("hydra.launcher.max_parallel={n} must be >= 1 (K jobs at once, each on its own slice "
+            "of the machine), or null (as many at once as the machine holds)")
+    code, text = run_cli_here(["-m", "hydra.launcher.max_parallel=0", "seed=0,1"], tmp_path,
+                              monkeypatch, capsys)
+    assert code == 1 and text.strip() == says.format(n=0)
+    conf = tmp_path / "conf" / "experiment"
+    conf.mkdir(parents=True)
+    (conf / "wide.yaml").write_text("# @package _global_\nhydra:\n  launcher:\n    max_parallel: -2\n")
+    code, text = run_cli_here(["-m", "--config-dir", str(tmp_path / "conf"), "experiment=wide",
+                               "seed=0,1"], tmp_path, monkeypatch, capsys)
+    assert code == 1 and says.format(n=-2) in text and "Traceback" not in text
+    assert not (tmp_path / "outputs").exists()
