@@ -119,7 +119,7 @@ def _prepare(cfg: DictConfig, hydra_cfg: Any, run_dir: Path, world: World | None
     # torch and the trainer: imported by a run, not by every importer of this module.
     from ddpexp.checkpoint import io as checkpoint
 
-    validate(cfg)
+    validate(cfg, launched_elsewhere=world is not None)
     plan = world_plan(cfg.trainer, world) if world is not None else plan_run(cfg.trainer)
     check_resources(plan, cores=node_cores(launched_elsewhere=True) if world is not None else None)
     try:
@@ -321,11 +321,9 @@ def world_plan(trainer: Any, world: World) -> Plan:
             f"one per GPU: start {gpus} per node ({_per_node_flag(world, gpus)}), or use "
             f"trainer.gpus={per_node}"
         )
-    if nodes != 1 and nodes != world.nodes:
-        raise ConfigError(
-            f"trainer.nodes={nodes}, but {world.what} span {world.nodes} node(s): leave "
-            "trainer.nodes unset (the launcher decides the nodes)"
-        )
+    problem = ranks.nodes_problem(nodes, world)
+    if problem:
+        raise ConfigError(problem)
     return Plan(strategy, per_node, world.nodes, gpus)
 
 
