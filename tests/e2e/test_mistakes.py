@@ -43,8 +43,8 @@ def test_each_mistake_gets_one_message(tmp_path, monkeypatch, capsys, overrides,
     assert code != 0
     assert message in text
     assert "Traceback" not in text
-    # A config mistake leaves no run dir behind.
-    assert run_dirs(tmp_path) == []
+    # A config mistake leaves no run dir behind, nor the outputs/<date> made for it.
+    assert run_dirs(tmp_path) == [] and not list(tmp_path.glob("outputs/*"))
 
 
 PLUGINS = str(Path(__file__).parents[1] / "plugins")
@@ -73,6 +73,7 @@ def test_each_data_or_model_mistake_gets_one_message(tmp_path, monkeypatch, caps
     assert "Traceback" not in text and "epoch 0" not in text  # before the first step
     assert "Error executing job" not in text
     assert run_dirs(tmp_path) == []  # found before the first step: no run dir left
+    assert not list(tmp_path.glob("outputs/*"))
 
 
 # Mistakes found after Hydra has composed the config (by the task, a callback, a logger),
