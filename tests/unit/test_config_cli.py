@@ -44,6 +44,22 @@ def test_a_misspelt_group_or_top_level_key_names_the_override_corrected():
                  ["--config-dir", str(Path(cli.__file__).parents[1] / "conf" / "debug" / ".."),
                   "debug=fast"]):
         assert cli.unknown_top_level(fine) is None, fine
+    # A flag's value is no override; a search path of its own may hold any group.
+    assert cli.unknown_top_level(["--cfg", "job", "modle=x"]).startswith(
+        "unknown group or key modle: did you mean model=x?")
+    assert cli.unknown_top_level(["-p", "trainer", "--cfg", "job"]) is None
+    assert cli.unknown_top_level(["hydra.searchpath=[pkg://mine]", "mine=1"]) is None
+
+
+def test_a_config_dirs_groups_are_groups(tmp_path):
+    (tmp_path / "mygroup" / "sub").mkdir(parents=True)
+    (tmp_path / "mygroup" / "sub" / "a.yaml").write_text("x: 1\n")
+    (tmp_path / "not_a_group").mkdir()  # no YAML in it
+    conf = ["--config-dir", str(tmp_path)]
+    assert cli.unknown_top_level([*conf, "mygroup/sub=a"]) is None
+    text = cli.unknown_top_level([*conf, "mygrop=a"])
+    assert text.startswith("unknown group or key mygrop: did you mean mygroup=a?")
+    assert "mygroup" in text.splitlines()[1] and "not_a_group" not in text
 
 
 def test_keys_of_the_built_nodes_name_the_closest_key_or_argument():

@@ -113,11 +113,16 @@ def _config_dir_and_overrides(args: Sequence[str]) -> tuple[str | None, list[tup
     for arg in flags:
         if arg in _OTHER_PRIMARY or arg.split("=", 1)[0] in _OTHER_PRIMARY:
             return None
+        if arg.startswith("hydra.searchpath"):
+            return None  # config dirs of its own, whose groups and keys are unknown here
         if arg in ("--config-dir", "-cd"):
             config_dir = next(flags, None)
             continue
         if arg.startswith("--config-dir="):
             config_dir = arg.split("=", 1)[1]
+            continue
+        if arg in _VALUE_FLAGS:
+            next(flags, None)  # its value (--cfg job) is no override
             continue
         if arg.startswith("-"):
             continue
@@ -139,9 +144,14 @@ def _top_level_names(config_dir: str | None) -> tuple[list[str], list[str]]:
     groups: list[str] = []
     for folder in folders:
         if folder.is_dir():
-            groups += [d.name for d in folder.iterdir() if d.is_dir()
-                       and not d.name.startswith(("_", ".")) and d.name not in groups]
+            groups += [d.name for d in folder.iterdir() if d.is_dir() and d.name not in groups
+                       and not d.name.startswith(("_", ".")) and _holds_configs(d)]
     return sorted(groups), [f.name for f in fields(DdpexpConfig) if f.name not in groups]
+
+
+def _holds_configs(folder: Path) -> bool:
+    """Whether ``folder`` is a config group: YAML files in it, or in its own groups."""
+    return any(folder.glob("*.yaml")) or any(folder.glob("*/*.yaml"))
 
 
 def unknown_top_level(args: Sequence[str]) -> str | None:
@@ -159,7 +169,7 @@ def unknown_top_level(args: Sequence[str]) -> str | None:
             continue
         key = override.key_or_group
         first, dot, rest = key.partition(".")
-        if first in groups or first in keys:
+        if first.split("/", 1)[0] in groups or first in keys:  # mygroup/sub=x: a group's own
             continue
         close = difflib.get_close_matches(first, [*groups, *keys], n=1)
         tilde = "~" if override.is_delete() else ""
