@@ -1,7 +1,7 @@
 """The command line before Hydra reads it: typos of group names and of keys (top-level,
 ``trainer.*``, entries under ``callbacks.*`` and ``logger.*``, the keys of the nodes built by
-``_target_``), a group option it does not have, a run dir
-that another live run holds or that already holds a run, ``resume=`` paths, and overrides
+``_target_``), a group option it does not have, a run dir that another live run holds or that
+already holds a run, ``resume=`` paths, launcher settings that cannot work, and overrides
 quoted back for a printed command (the command that continues a run, :func:`resume_command`)."""
 
 from __future__ import annotations
@@ -100,6 +100,9 @@ ENTRY_GROUPS = ("callbacks", "logger")
 BUILT_GROUPS = ("task", "model", "data", "optimizer", "scheduler")
 # Flags that choose another primary config than ddpexp's: the entries are then unknown here.
 _OTHER_PRIMARY = ("--config-path", "-cp", "--config-name", "-cn")
+# Hydra's flags that take the next word as their value (``--config-dir my_conf``).
+_VALUE_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn",
+                "--cfg", "-c", "--package", "-p", "--experimental-rerun")
 
 
 def _config_dir_and_overrides(args: Sequence[str]) -> tuple[str | None, list[tuple[Any, str]]] | None:
@@ -267,12 +270,11 @@ def _missing_argument(group: str, node: Any, part: str, value: str | None) -> st
     if close:
         return f"unknown key {key}: did you mean {group}.{close[0]}?\n({group}: {', '.join(names)})"
     try:
-        takes, _, open_ended = arguments(import_target(f"{group}._target_", target))
+        takes, required, open_ended = arguments(import_target(f"{group}._target_", target))
     except ConfigError as exc:
         return str(exc)
-    if node.get("_partial_"):
-        takes = [t for t in takes if t not in ("params", "optimizer", "total_steps",
-                                               "steps_per_epoch")]
+    if node.get("_partial_"):  # its caller passes these (the model's parameters, ...)
+        takes = [t for t in takes if t not in required]
     if part in takes or open_ended:
         return (f"{key} is not set by the {group} config, but {target} takes it: add it with "
                 f"+{key}{set_to}")
@@ -328,9 +330,6 @@ def command_line_override(key: str, value: Any) -> str:
     return shlex.quote(f'{key}="{escaped}"')
 
 
-# Hydra's flags that take the next word as their value (``--config-dir my_conf``).
-_VALUE_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn",
-                "--cfg", "-c", "--package", "-p", "--experimental-rerun")
 # Where a sweep's job processes find the sweep's command line (a JSON list of its words):
 # their own is the job runner's.
 SWEEP_COMMAND_ENV = "DDPEXP_SWEEP_COMMAND"
