@@ -88,6 +88,12 @@ def test_keys_of_the_built_nodes_name_the_closest_key_or_argument():
     assert cli.unknown_group_keys(["model=mlp", "model.hidden=[8]", "+model.x=1",
                                    "-m", "optimizer.lr=0.1,0.2"]) is None
     assert cli.unknown_group_keys(["data=imagefolder", "data.root=x"]) is None  # root: ???
+    # A key of the option chosen (or the default) needs no composition to pass.
+    assert cli._in_an_option("optimizer.lr", {}, None)
+    assert cli._in_an_option("model.hidden", {"model": "mlp"}, None)
+    assert not cli._in_an_option("scheduler.gamma", {}, None)  # scheduler=none: composed
+    assert cli._in_an_option("scheduler.gamma", {"scheduler": "step"}, None)
+    assert not cli._in_an_option("model.hidden", {"experiment": "char_gpt"}, None)
 
 
 def test_a_group_list_with_a_typo_names_the_options_there_are():

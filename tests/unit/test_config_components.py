@@ -90,6 +90,11 @@ def test_a_key_the_target_takes_no_argument_for_names_the_closest():
     with pytest.raises(ConfigError, match=r"optimizer.params: ddpexp passes params to torch.optim.SGD"):
         components.check_nodes({"optimizer": {"_target_": "torch.optim.SGD", "_partial_": True,
                                               "params": []}})
+    # A key of a node that builds nothing would never be read.
+    with pytest.raises(ConfigError, match=r"^scheduler.gamma: the scheduler config builds nothing "
+                                          r"\(no _target_, as scheduler=none\), so gamma would "
+                                          r"never be read; choose a scheduler first"):
+        components.check_nodes({"scheduler": {"gamma": 0.5}})
     components.check_nodes({"model": {**model, "hidden": [8]},
                             "optimizer": {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1},
                             "scheduler": {}})

@@ -7,6 +7,7 @@ quoted back for a printed command (the command that continues a run, :func:`resu
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import os
 import re
@@ -199,12 +200,13 @@ def unknown_group_keys(args: Sequence[str]) -> str | None:
         return None
     config_dir, overrides = parsed
     targets, rest = [], []
+    chosen = {o.key_or_group: o.value() for o, _ in overrides if "." not in o.key_or_group}
     for override, arg in overrides:
         key = override.key_or_group
         addition = override.is_add() or override.is_force_add()
-        chosen = key.endswith("._target_") and key.count(".") == 1  # it is what the rest is of
+        target = key.endswith("._target_") and key.count(".") == 1  # it is what the rest is of
         if key.split(".", 1)[0] in (*ENTRY_GROUPS, *BUILT_GROUPS) and "." in key and not (
-                addition or chosen):
+                addition or target or _in_an_option(key, chosen, config_dir)):
             targets.append((key, arg.split("=", 1)[1] if "=" in arg else None))
         elif not override.is_sweep_override():
             rest.append(arg)
@@ -218,6 +220,47 @@ def unknown_group_keys(args: Sequence[str]) -> str | None:
         return None
     problems = [p for p in (_missing_key(cfg, key, value) for key, value in targets) if p]
     return "\n".join(problems) or None
+
+
+def _in_an_option(key: str, chosen: dict[str, Any], config_dir: str | None) -> bool:
+    """Whether ``key`` (``model.hidden``) of a group built by ``_target_`` is a key of the
+    group's option that the command line ``chosen`` (``{"model": "mlp"}``), or else the
+    default one, sets in its YAML file (ddpexp's or ``config_dir``'s): then the key is there,
+    and the command line's common overrides (``optimizer.lr=...``) need no composition to be
+    checked. An ``experiment=`` or ``debug=`` may choose other options: then it is composed."""
+    group, _, rest = key.partition(".")
+    if group not in BUILT_GROUPS or chosen.get("experiment") or chosen.get("debug"):
+        return False
+    option = chosen.get(group, _default_options().get(group))
+    if not isinstance(option, str):
+        return False
+    folders = [Path(__file__).resolve().parents[1] / "conf" / group]
+    if config_dir:
+        folders.append(Path(config_dir).expanduser() / group)
+    return any(rest.split(".", 1)[0] in _option_keys(str(f / f"{option}.yaml")) for f in folders)
+
+
+@functools.cache
+def _default_options() -> dict[str, Any]:
+    """The option of each group that ddpexp's root config chooses (``{"model": "convnet"}``)."""
+    import yaml
+
+    root = yaml.safe_load((Path(__file__).resolve().parents[1] / "conf" / "config.yaml").read_text())
+    return {k: v for entry in root.get("defaults", []) if isinstance(entry, dict)
+            for k, v in entry.items()}
+
+
+@functools.cache
+def _option_keys(path: str) -> frozenset[str]:
+    """The top-level keys of the YAML file ``path`` (a config group's option); none where
+    there is no such file."""
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return frozenset()
+    return frozenset(str(k) for k in loaded) if isinstance(loaded, dict) else frozenset()
 
 
 def _missing_key(cfg: Any, key: str, value: str | None = None) -> str | None:

@@ -169,12 +169,21 @@ def _forwards(init: Any) -> bool:
 def check_nodes(config: Mapping[str, Any]) -> None:
     """Refuse, with one message naming the key, a node of :data:`BUILT_NODES` whose
     ``_target_`` does not import, that sets a key its target takes no argument for (with the
-    closest it takes), or that leaves out an argument its target needs (not for a
-    ``_partial_`` one, whose caller passes the rest)."""
+    closest it takes) or that no target reads (``+scheduler.gamma`` with ``scheduler=none``),
+    or that leaves out an argument its target needs (not for a ``_partial_`` one, whose
+    caller passes the rest)."""
     for group in BUILT_NODES:
         node = config.get(group)
-        if not isinstance(node, Mapping) or not node.get("_target_"):
-            continue  # validate() refuses a missing one (scheduler=none has none)
+        if not isinstance(node, Mapping):
+            continue
+        if not node.get("_target_"):  # scheduler=none: nothing built (validate() refuses
+            # the others' missing _target_)
+            unread = [str(k) for k in node.keys() if not str(k).startswith("_")]
+            if unread:
+                raise ConfigError(f"{group}.{unread[0]}: the {group} config builds nothing (no "
+                                  f"_target_, as {group}=none), so {unread[0]} would never be "
+                                  f"read; choose a {group} first ({group}=NAME)")
+            continue
         target = import_target(f"{group}._target_", node["_target_"])
         names, required, open_ended = arguments(target)
         what, partial = node["_target_"], bool(node.get("_partial_"))
