@@ -21,13 +21,18 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from ddpexp.checkpoint import io as ckpt_io
+from ddpexp.config import components
 from ddpexp.errors import CheckpointError, ConfigError, DdpexpError
 from ddpexp.strategies import registry
 
 SPLITS = ("test", "val")
+# The config groups of a training command line (model=mlp), which an evaluation cannot pick:
+# it rebuilds what the checkpoint was trained with.
+_GROUPS = ("task", "model", "data", "optimizer", "scheduler", "trainer", "callbacks", "logger",
+           "experiment", "debug")
 USAGE = ("usage: python -m ddpexp.eval PATH [key=value ...]  "
          "(PATH: a run dir, a checkpoint file or a sweep dir)")
 
@@ -71,8 +76,15 @@ def apply_overrides(config: dict, overrides: Sequence[str]) -> tuple[dict, str]:
             continue
         add = key.startswith("+")
         key = key.lstrip("+")
+        if "." not in key and key in _GROUPS and not value.startswith("{"):
+            raise ConfigError(
+                f"{item}: an evaluation rebuilds what its checkpoint was trained with (model, "
+                f"data, task), so it picks no {key} option ({item} is for training: "
+                f"python -m ddpexp {item}). "
+                f"It takes keys of the run's config (e.g. data.root=DIR, data.batch_size=256, "
+                f"trainer.procs=2), +key=value to add one, and split={'|'.join(SPLITS)}")
         if not add and OmegaConf.select(cfg, key, default=KeyError) is KeyError:
-            raise ConfigError(f"{key} is not a key of the run's config; use +{key}={value} to add it")
+            raise ConfigError(_not_a_key(cfg, key, value))
         try:
             OmegaConf.update(cfg, key, OmegaConf.from_dotlist([f"k={value}"]).k, force_add=True)
         except OmegaConfBaseException as exc:
@@ -96,6 +108,24 @@ def apply_overrides(config: dict, overrides: Sequence[str]) -> tuple[dict, str]:
     return plain, split
 
 
+def _not_a_key(cfg: Any, key: str, value: str) -> str:
+    """Why ``key`` is not in the run's config ``cfg``: the closest key where it would be, or
+    how to add it."""
+    import difflib
+
+    from omegaconf import DictConfig, OmegaConf
+
+    parent, _, name = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent, default=None) if parent else cfg
+    names = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+    close = difflib.get_close_matches(name, names, n=1)
+    add = f"use +{key}={value} to add it"
+    if close:
+        return (f"{key} is not a key of the run's config; did you mean "
+                f"{parent + '.' if parent else ''}{close[0]}? (or {add})")
+    return f"{key} is not a key of the run's config; {add}"
+
+
 def evaluate(run_dir: Path, checkpoint: Path, overrides: Sequence[str] = ()) -> dict:
     """Evaluate one checkpoint; returns what ``eval-<time>.json`` holds and writes that file
     into ``run_dir``."""
@@ -117,6 +147,7 @@ def evaluate(run_dir: Path, checkpoint: Path, overrides: Sequence[str] = ()) -> 
         raise CheckpointError(f"checkpoint {checkpoint} holds no run config to rebuild the model from")
     config, split = apply_overrides(state["config"], overrides)
     del state
+    components.check_nodes(config)  # a bad key or _target_ added here: before any worker
     plan = plan_run(OmegaConf.create(config["trainer"]))
     spec = RunSpec.build(config, plan, run_dir=run_dir, log_file=run_dir / "eval.log",
                          eval_checkpoint=checkpoint.absolute(), eval_split=split)

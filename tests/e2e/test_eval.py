@@ -149,7 +149,8 @@ def test_eval_checkpoint_file_with_data_root_and_bad_files(tmp_path: Path):
     code, out, err = eval_main(str(last), "split=train")
     assert code == 1 and "split=train is not one of test, val" in err
     code, out, err = eval_main(str(last), f"data.root={tmp_path / 'moved'}", "data.test_fraction=0")
-    assert code == 1 and "data.test_fraction is not a key of the run's config; use +data" in err
+    assert code == 1 and "data.test_fraction is not a key of the run's config; did you mean " \
+        "data.val_fraction? (or use +data.test_fraction=0 to add it)" in err
 
 
 @pytest.mark.slow

@@ -76,6 +76,22 @@ def test_2x2_sweep_of_ddp_runs(workdir: Path) -> None:
     assert md.startswith("| job | overrides | status | final val/acc | best val/acc |")
     assert md.count("| completed |") == 4
     assert "best val/acc" in res.stdout and res.stdout.count("completed  ") >= 4
+    _each_jobs_console_lines_carry_its_number(res.stdout + res.stderr, sweep_dir, 4)
+
+
+def _each_jobs_console_lines_carry_its_number(output: str, sweep_dir: Path, jobs: int) -> None:
+    """Jobs that ran at once: every console line of a job, its own process's ("run dir: ...")
+    and its workers' ("epoch 0 ..."), starts with its #N; the launcher's own lines are as
+    Hydra writes them, and the jobs' log files stay untagged."""
+    job_line = re.compile(r"^(#\d+ )?\[\d{4}-\d\d-\d\d [\d:,]+\]\[(?!HYDRA\])")
+    lines = [line for line in output.splitlines() if job_line.match(line)]
+    assert lines and all(re.match(r"#\d+ \[", line) for line in lines), lines
+    for n in range(jobs):
+        own = [line for line in lines if line.startswith(f"#{n} [")]
+        assert any(line.endswith(f"run dir: {sweep_dir / str(n)}") for line in own), lines
+        assert any("][ddpexp][INFO] - epoch 0" in line for line in own), lines
+        log = (sweep_dir / str(n) / "ddpexp.log").read_text()
+        assert log.startswith("[") and "\n#" not in log
 
 
 JOB_LINE = re.compile(r"job (\d+): pid (\d+), .*process group (\d+), "

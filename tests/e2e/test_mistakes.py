@@ -32,6 +32,8 @@ MISTAKES = [
      "data.prefetch_factor=-1 must be >= 1, a whole number, or null"),
     (["data.prefetch_factor=2"], "data.prefetch_factor=2 needs data.num_workers > 0"),
     (["hydra.run.dir=/proc/forbidden"], "cannot create the run dir /proc/forbidden"),
+    (["model._target_=nope.Model"], "model._target_: cannot import nope.Model (no module named "
+                                    "'nope'); check the dotted path"),
 ]
 
 
@@ -41,8 +43,8 @@ def test_each_mistake_gets_one_message(tmp_path, monkeypatch, capsys, overrides,
     assert code != 0
     assert message in text
     assert "Traceback" not in text
-    # A config mistake leaves no run dir behind.
-    assert run_dirs(tmp_path) == []
+    # A config mistake leaves no run dir behind, nor the outputs/<date> made for it.
+    assert run_dirs(tmp_path) == [] and not list(tmp_path.glob("outputs/*"))
 
 
 PLUGINS = str(Path(__file__).parents[1] / "plugins")
@@ -71,6 +73,7 @@ def test_each_data_or_model_mistake_gets_one_message(tmp_path, monkeypatch, caps
     assert "Traceback" not in text and "epoch 0" not in text  # before the first step
     assert "Error executing job" not in text
     assert run_dirs(tmp_path) == []  # found before the first step: no run dir left
+    assert not list(tmp_path.glob("outputs/*"))
 
 
 # Mistakes found after Hydra has composed the config (by the task, a callback, a logger),
@@ -84,6 +87,14 @@ LATE_MISTAKES = [
      "unknown key callbacks.early_stopping.patiense: did you mean callbacks.early_stopping.patience?"),
     (["~callbacks.emma"], "unknown entry callbacks.emma: did you mean callbacks.ema?"),
     (["logger.tensorbord.flush_secs=5"], "unknown entry logger.tensorbord: did you mean logger.tensorboard?"),
+    # Typos of group names, top-level keys and the keys of a node built by its _target_.
+    (["modle=mlp"], "unknown group or key modle: did you mean model=mlp?\n(groups: "),
+    (["seeed=3"], "unknown group or key seeed: did you mean seed=3?"),
+    (["model.hiden=[64]"], "unknown key model.hiden: did you mean model.hidden?\n(model: "),
+    # Hydra's advice for the typo above, followed: refused before any worker starts.
+    (["+model.hiden=[64]"], "model.hiden: ddpexp.models.MLP takes no argument hiden; did you mean "
+                            "model.hidden? (ddpexp.models.MLP takes: input_shape, num_classes, "
+                            "hidden, dropout)"),
 ]
 
 
@@ -252,3 +263,20 @@ def test_an_error_of_the_one_worker_in_this_process_is_said_as_under_ddp(tmp_pat
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["status"] == "failed" and "injected failure on rank 0" in metrics["error"]
     assert "Traceback" in (run_dir / "ddpexp.log").read_text()
+
+
+def test_max_parallel_below_one_is_refused_before_the_sweep_writes(tmp_path, monkeypatch, capsys):
+    """On the command line (before Hydra starts) and from a config file (by the launcher):
+    it used to run the jobs one at a time without a word."""
+    says = ("hydra.launcher.max_parallel={n} must be >= 1 (K jobs at once, each on its own slice "
+            "of the machine), or null (as many at once as the machine holds)")
+    code, text = run_cli_here(["-m", "hydra.launcher.max_parallel=0", "seed=0,1"], tmp_path,
+                              monkeypatch, capsys)
+    assert code == 1 and text.strip() == says.format(n=0)
+    conf = tmp_path / "conf" / "experiment"
+    conf.mkdir(parents=True)
+    (conf / "wide.yaml").write_text("# @package _global_\nhydra:\n  launcher:\n    max_parallel: -2\n")
+    code, text = run_cli_here(["-m", "--config-dir", str(tmp_path / "conf"), "experiment=wide",
+                               "seed=0,1"], tmp_path, monkeypatch, capsys)
+    assert code == 1 and says.format(n=-2) in text and "Traceback" not in text
+    assert not (tmp_path / "outputs").exists()

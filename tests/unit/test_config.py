@@ -98,7 +98,7 @@ def test_model_reads_shapes_by_interpolation():
     ("trainer.procs=0", "trainer.procs=0 must be >= 1"),
     ("trainer.nodes=2", "needs trainer.rdzv_endpoint=HOST:PORT"),
     ("trainer.monitor=val/f1", "trainer.monitor=val/f1 is not a metric of the task (Classification); it returns val/loss, val/acc"),
-    ("model=nonexistent", "Could not find 'model/nonexistent'"),
+    ("model=nonexistent", "model=nonexistent: model has no option 'nonexistent' (model options: convnet,"),
     ("data=imagefolder", "these keys need a value: data.root"),
     ("data=mnist data.root=NODATA", "Put train-images-idx3-ubyte"),
     ("data=cifar10 data.root=NODATA", "test_batch not found in"),

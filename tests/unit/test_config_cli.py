@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shlex
+from pathlib import Path
 
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -25,13 +26,89 @@ def test_known_and_nested_trainer_keys_pass():
     assert cli.unknown_trainer_keys(["trainer.gpus=1", "trainer.fsdp.wrap=[A]", "trainer.max_epochs"]) is None
 
 
+def test_a_misspelt_group_or_top_level_key_names_the_override_corrected():
+    groups = ("(groups: callbacks, data, debug, experiment, logger, model, optimizer, scheduler, "
+              "task, trainer; keys: seed, resume, overwrite)")
+    assert cli.preflight(["modle=mlp"]) == f"unknown group or key modle: did you mean model=mlp?\n{groups}"
+    assert cli.unknown_top_level(["mdoel.hidden=[3]"]).startswith(
+        "unknown key mdoel.hidden: did you mean model.hidden=[3]?")
+    assert cli.unknown_top_level(["seeed=3"]).startswith("unknown group or key seeed: did you mean seed=3?")
+    assert cli.unknown_top_level(["~modle"]).startswith("unknown group or key modle: did you mean ~model?")
+    assert cli.unknown_top_level(["zzzqqq=1"]).startswith(
+        "unknown group or key zzzqqq: it is neither a config group nor a key of the config (to "
+        "add a key of your own: +zzzqqq=1)")
+    # Known names, additions, Hydra's own keys and another primary config pass; a config
+    # dir's own groups are groups.
+    for fine in (["model=mlp", "experiment=char_gpt", "debug=fast", "seed=1", "overwrite=true",
+                  "+mine=1", "hydra.job.chdir=true", "-m", "seed=1,2"], ["-cn", "other", "modle=mlp"],
+                 ["--config-dir", str(Path(cli.__file__).parents[1] / "conf" / "debug" / ".."),
+                  "debug=fast"]):
+        assert cli.unknown_top_level(fine) is None, fine
+    # A flag's value is no override; a search path of its own may hold any group.
+    assert cli.unknown_top_level(["--cfg", "job", "modle=x"]).startswith(
+        "unknown group or key modle: did you mean model=x?")
+    assert cli.unknown_top_level(["-p", "trainer", "--cfg", "job"]) is None
+    assert cli.unknown_top_level(["hydra.searchpath=[pkg://mine]", "mine=1"]) is None
+
+
+def test_a_config_dirs_groups_are_groups(tmp_path):
+    (tmp_path / "mygroup" / "sub").mkdir(parents=True)
+    (tmp_path / "mygroup" / "sub" / "a.yaml").write_text("x: 1\n")
+    (tmp_path / "not_a_group").mkdir()  # no YAML in it
+    conf = ["--config-dir", str(tmp_path)]
+    assert cli.unknown_top_level([*conf, "mygroup/sub=a"]) is None
+    text = cli.unknown_top_level([*conf, "mygrop=a"])
+    assert text.startswith("unknown group or key mygrop: did you mean mygroup=a?")
+    assert "mygroup" in text.splitlines()[1] and "not_a_group" not in text
+
+
+def test_keys_of_the_built_nodes_name_the_closest_key_or_argument():
+    assert cli.preflight(["model.hiden=[64]"]) == (
+        "unknown key model.hiden: did you mean model.hidden?\n"
+        "(model: input_shape, num_classes, channels, hidden, dropout)")
+    assert cli.unknown_group_keys(["model=mlp", "~model.hiden"]).endswith(
+        "(model: input_shape, num_classes, hidden, dropout)")
+    # An argument of the target that the config does not set: added with +.
+    assert cli.unknown_group_keys(["optimizer.dampening=0.1"]) == (
+        "optimizer.dampening is not set by the optimizer config, but torch.optim.SGD takes it: "
+        "add it with +optimizer.dampening=0.1")
+    assert cli.unknown_group_keys(["optimizer.dampenin=0.1"]) == (
+        "unknown key optimizer.dampenin: did you mean optimizer.dampening? (torch.optim.SGD "
+        "takes it; the config does not set it: +optimizer.dampening=0.1)")
+    assert cli.unknown_group_keys(["model=mlp", "model.zzzq=1"]) == (
+        "unknown key model.zzzq: ddpexp.models.MLP takes no argument zzzq\n"
+        "(ddpexp.models.MLP takes: input_shape, num_classes, hidden, dropout)")
+    assert cli.unknown_group_keys(["-m", "scheduler.gamma=0.1,0.2"]).startswith(
+        "unknown key scheduler.gamma: the scheduler config sets no _target_ and no keys")
+    # A new _target_ is composed first (its arguments are what the key is checked against);
+    # keys that are there and additions pass.
+    assert cli.unknown_group_keys(["model._target_=collections.Counter", "model.zzzq=1"]) == (
+        "model.zzzq is not set by the model config, but collections.Counter takes it: add it "
+        "with +model.zzzq=1")
+    assert cli.unknown_group_keys(["model=mlp", "model.hidden=[8]", "+model.x=1",
+                                   "-m", "optimizer.lr=0.1,0.2"]) is None
+    assert cli.unknown_group_keys(["data=imagefolder", "data.root=x"]) is None  # root: ???
+    # A key of the option chosen (or the default) needs no composition to pass.
+    assert cli._in_an_option("optimizer.lr", {}, None)
+    assert cli._in_an_option("model.hidden", {"model": "mlp"}, None)
+    assert not cli._in_an_option("scheduler.gamma", {}, None)  # scheduler=none: composed
+    assert cli._in_an_option("scheduler.gamma", {"scheduler": "step"}, None)
+    assert not cli._in_an_option("model.hidden", {"experiment": "char_gpt"}, None)
+
+
 def test_a_group_list_with_a_typo_names_the_options_there_are():
     text = cli.preflight(["logger=[tensorboard,mlfow]"])
     assert text == ("logger=[tensorboard,mlfow]: logger has no option 'mlfow'; did you mean "
                     "mlflow? (logger options: csv, mlflow, tensorboard, wandb)")
     assert cli.unknown_group_options(["-m", "logger=[csv,zzz]", "optimizer.lr=1,2"]) == (
         "logger=[csv,zzz]: logger has no option 'zzz' (logger options: csv, mlflow, tensorboard, wandb)")
+    # A single option and a sweep's choices too (Hydra lists its search path with them).
+    assert cli.preflight(["model=mlpp"]) == ("model=mlpp: model has no option 'mlpp'; did you "
+                                             "mean mlp? (model options: convnet, gpt, mlp, resnet18)")
+    assert cli.unknown_group_options(["-m", "model=mlp,convnt"]).startswith(
+        "model=mlp,convnt: model has no option 'convnt'; did you mean convnet?")
     for fine in (["logger=[tensorboard,mlflow]"], ["logger=csv"], ["model=mlp"], ["logger=[]"],
+                 ["-m", "model=mlp,convnet"], ["~scheduler"], ["experiment=null"],
                  ["logger=[mine]", "hydra.searchpath=[file://conf]"]):
         assert cli.unknown_group_options(fine) is None, fine
 
@@ -165,13 +242,13 @@ def test_entry_typos_name_the_entries_of_the_composed_config(tmp_path):
     (tmp_path / "callbacks" / "mine.yaml").write_text(
         "defaults:\n  - default\nweight_norms:\n  _target_: m.Norms\n  every: 2\n")
     conf = ["--config-dir", str(tmp_path), "callbacks=mine"]
-    text = cli.unknown_entry_keys([*conf, "callbacks.weight_norm.every=3"])
+    text = cli.unknown_group_keys([*conf, "callbacks.weight_norm.every=3"])
     assert text.startswith("unknown entry callbacks.weight_norm: did you mean callbacks.weight_norms?")
     assert "weight_norms" in text.splitlines()[1]
-    assert cli.unknown_entry_keys([*conf, "callbacks.weight_norms.evry=3"]).startswith(
+    assert cli.unknown_group_keys([*conf, "callbacks.weight_norms.evry=3"]).startswith(
         "unknown key callbacks.weight_norms.evry: did you mean callbacks.weight_norms.every?")
     # Keys that are there, additions, sweeps of other keys and another primary config pass.
-    assert cli.unknown_entry_keys([*conf, "callbacks.weight_norms.every=3", "+callbacks.x._target_=a.B",
+    assert cli.unknown_group_keys([*conf, "callbacks.weight_norms.every=3", "+callbacks.x._target_=a.B",
                                    "~callbacks.ema", "seed=1,2"]) is None
-    assert cli.unknown_entry_keys(["-cn", "other", "callbacks.nope.x=1"]) is None
-    assert cli.unknown_entry_keys(["model=mlp"]) is None  # nothing composed
+    assert cli.unknown_group_keys(["-cn", "other", "callbacks.nope.x=1"]) is None
+    assert cli.unknown_group_keys(["model=mlp"]) is None  # nothing composed

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import collections
+from pathlib import Path
+
 import pytest
 
 from ddpexp.callbacks import Callback, EarlyStopping
@@ -58,3 +61,57 @@ def test_build_keeps_ddpexp_error_message():
                                           r"must be >= 1"):
         components.build("callbacks", {"checkpoint": {"_target_": "ddpexp.callbacks.ModelCheckpoint",
                                                       "save_top_k": 0}}, Callback)
+
+
+def test_a_target_that_does_not_import_is_named_with_its_key():
+    for target, why in (("nope.Model", "no module named 'nope'"),
+                        ("ddpexp.models.MLPP", "ddpexp.models has no MLPP; did you mean ddpexp.models.MLP?"),
+                        ("ddpexp.nomod.X", "ddpexp has no nomod")):
+        with pytest.raises(ConfigError) as refused:
+            components.check_nodes({"model": {"_target_": target}})
+        assert str(refused.value) == (f"model._target_: cannot import {target} ({why}); check the "
+                                      "dotted path and that its package is installed")
+
+
+def test_a_key_the_target_takes_no_argument_for_names_the_closest():
+    model = {"_target_": "ddpexp.models.MLP", "input_shape": [4], "num_classes": 2}
+    with pytest.raises(ConfigError, match=r"^model.hiden: ddpexp.models.MLP takes no argument hiden; "
+                                          r"did you mean model.hidden\? \(ddpexp.models.MLP takes: "
+                                          r"input_shape, num_classes, hidden, dropout\)$"):
+        components.check_nodes({"model": {**model, "hiden": [64]}})
+    # The arguments of a DataSource subclass include its base's (handed on by **kwargs).
+    with pytest.raises(ConfigError, match=r"data.batch_sise: .* did you mean data.batch_size\?"):
+        components.check_nodes({"data": {"_target_": "ddpexp.data.Digits", "batch_sise": 8}})
+    # An argument the target needs and the config leaves out.
+    with pytest.raises(ConfigError, match=r"^model: ddpexp.models.MLP needs num_classes; add "
+                                          r"\+model.num_classes=\.\.\.$"):
+        components.check_nodes({"model": {"_target_": "ddpexp.models.MLP", "input_shape": [4]}})
+    # A partial target's leading arguments are ddpexp's to pass.
+    with pytest.raises(ConfigError, match=r"optimizer.params: ddpexp passes params to torch.optim.SGD"):
+        components.check_nodes({"optimizer": {"_target_": "torch.optim.SGD", "_partial_": True,
+                                              "params": []}})
+    # A key of a node that builds nothing would never be read.
+    with pytest.raises(ConfigError, match=r"^scheduler.gamma: the scheduler config builds nothing "
+                                          r"\(no _target_, as scheduler=none\), so gamma would "
+                                          r"never be read; choose a scheduler first"):
+        components.check_nodes({"scheduler": {"gamma": 0.5}})
+    components.check_nodes({"model": {**model, "hidden": [8]},
+                            "optimizer": {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1},
+                            "scheduler": {}})
+
+
+def test_kwargs_that_go_elsewhere_take_anything(monkeypatch):
+    # faulty.Faulty hands its **kwargs to an MLP it builds, not to nn.Module.
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "plugins"))
+    components.check_nodes({"model": {"_target_": "faulty.Faulty", "input_shape": [4],
+                                      "num_classes": 2, "hidden": [8], "rank": 0}})
+    assert components.arguments(collections.namedtuple("P", "a"))[2]  # built by __new__
+
+
+def test_every_shipped_option_passes_the_check():
+    from omegaconf import OmegaConf
+
+    conf = Path(components.__file__).parents[1] / "conf"
+    for group in components.BUILT_NODES:
+        for path in sorted((conf / group).glob("*.yaml")):
+            components.check_nodes({group: OmegaConf.load(path)})  # its keys, as they are

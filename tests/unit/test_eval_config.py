@@ -38,3 +38,39 @@ def test_unknown_key_needs_plus():
     with pytest.raises(ConfigError, match=r"trainer\.nope is not a key of the run's config; use "
                                           r"\+trainer\.nope=1"):
         apply_overrides(stored("ddp"), ["trainer.nope=1"])
+
+
+def test_a_group_option_is_refused_saying_what_an_evaluation_takes():
+    for item in ("model=mlp", "debug=fast", "logger=csv"):
+        with pytest.raises(ConfigError) as refused:
+            apply_overrides(stored("ddp"), [item])
+        text = str(refused.value)
+        key = item.split("=")[0]
+        assert text.startswith(f"{item}: an evaluation rebuilds what its checkpoint was trained "
+                               f"with (model, data, task), so it picks no {key} option")
+        assert "It takes keys of the run's config (e.g. data.root=DIR" in text
+        assert text.endswith("+key=value to add one, and split=test|val")
+
+
+def test_a_misspelt_key_names_the_closest():
+    with pytest.raises(ConfigError, match=r"^trainer.proc is not a key of the run's config; did "
+                                          r"you mean trainer.procs\? \(or use \+trainer.proc=1 to add it\)$"):
+        apply_overrides(stored("ddp"), ["trainer.proc=1"])
+
+
+def test_a_key_or_target_added_is_checked_before_any_worker(tmp_path):
+    """evaluate() refuses what a worker could not build, before it reads the weights."""
+    import torch
+
+    from ddpexp.eval import evaluate
+
+    config = {**stored("ddp"), "model": {"_target_": "ddpexp.models.MLP", "input_shape": [4],
+                                         "num_classes": 2}}
+    checkpoint = tmp_path / "best.pt"
+    torch.save({"config": config, "model": {}}, checkpoint)
+    with pytest.raises(ConfigError, match=r"^model.hiden: ddpexp.models.MLP takes no argument "
+                                          r"hiden; did you mean model.hidden\?"):
+        evaluate(tmp_path, checkpoint, ["+model.hiden=3"])
+    with pytest.raises(ConfigError, match=r"^model._target_: cannot import nope.M \(no module"):
+        evaluate(tmp_path, checkpoint, ["model._target_=nope.M"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt"]  # nothing written

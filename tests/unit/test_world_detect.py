@@ -95,6 +95,38 @@ def test_a_launchers_layout_disagreeing_with_the_config_is_refused():
     assert world_plan(trainer(nodes=2), world).nodes == 2
 
 
+def test_trainer_nodes_under_torchrun_says_torchruns_nnodes_decides_in_one_message():
+    """It asked for trainer.rdzv_endpoint, then refused that: now one message, on the command
+    line (before Hydra) and from a config (world_plan), and no endpoint asked for."""
+    one_node = detect({**TORCHRUN, "WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "1", "RANK": "0",
+                       "LOCAL_RANK": "0"})
+    says = ("trainer.nodes=2, but torchrun's workers span 1 node(s): the launcher decides the "
+            "nodes, not trainer.nodes. Leave trainer.nodes unset (and trainer.rdzv_endpoint: both "
+            "are for ddpexp's own fan-out), and for 2 nodes start torchrun --nnodes=2 "
+            "--rdzv-endpoint=HOST:PORT ... on each of the 2 nodes (torchrun's --nnodes is the "
+            "number of nodes)")
+    assert fanout_keys_problem(["trainer.nodes=2"], one_node) == says
+    assert fanout_keys_problem(["trainer.nodes=2", "trainer.rdzv_endpoint=h:1"], one_node) == says
+    with pytest.raises(ConfigError) as refused:
+        world_plan(trainer(nodes=2), one_node)
+    assert str(refused.value) == says
+    assert fanout_keys_problem(["trainer.nodes=1"], one_node) is None
+    assert fanout_keys_problem(["trainer.nodes=2"], detect(TORCHRUN)) is None  # it spans 2
+    assert "start srun --nodes=3" in fanout_keys_problem(["trainer.nodes=3"], detect(SRUN))
+    # The composed config's check asks no rendezvous of a launcher's world.
+    from omegaconf import open_dict
+
+    from ddpexp.config.compose import composed
+    from ddpexp.config.validate import validate
+
+    cfg = composed(["trainer.nodes=2"])
+    with open_dict(cfg):
+        cfg.pop("hydra", None)
+    validate(cfg, launched_elsewhere=True)
+    with pytest.raises(ConfigError, match=r"trainer.nodes=2 needs trainer.rdzv_endpoint=HOST:PORT"):
+        validate(cfg)
+
+
 def test_ddpexps_own_fan_out_keys_and_sweeps_are_refused_in_a_launchers_world():
     world = detect(TORCHRUN)
     assert "torchrun --max-restarts=N" in fanout_keys_problem(["trainer.max_restarts=2"], world)

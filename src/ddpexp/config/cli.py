@@ -1,11 +1,13 @@
-"""The command line before Hydra reads it: trainer-key typos, entry typos under
-``callbacks.*`` and ``logger.*``, a group's list naming an option it does not have, a run dir
-that another live run holds or that already holds a run, ``resume=`` paths, and overrides
+"""The command line before Hydra reads it: typos of group names and of keys (top-level,
+``trainer.*``, entries under ``callbacks.*`` and ``logger.*``, the keys of the nodes built by
+``_target_``), a group option it does not have, a run dir that another live run holds or that
+already holds a run, ``resume=`` paths, launcher settings that cannot work, and overrides
 quoted back for a printed command (the command that continues a run, :func:`resume_command`)."""
 
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import os
 import re
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ChoiceSweep
 from hydra.errors import HydraException
 
 from ddpexp.config import runlock
@@ -27,7 +30,7 @@ from ddpexp.config.rundir import (
     rendezvous_of,
     writable_dir_problem,
 )
-from ddpexp.config.schema import TrainerConfig
+from ddpexp.config.schema import DdpexpConfig, TrainerConfig
 
 
 def unknown_trainer_keys(args: list[str]) -> str | None:
@@ -52,11 +55,11 @@ def unknown_trainer_keys(args: list[str]) -> str | None:
 
 
 def unknown_group_options(args: list[str]) -> str | None:
-    """A message for a list of options of one of ddpexp's config groups
-    (``logger=[tensorboard,mlfow]``) that names one the group does not have, with the
-    closest and the options there are. Hydra lists the options for a single wrong one, but
-    for a list says only "Could not load 'logger/mlfow'". Not checked where the command line
-    adds a config dir of its own (which may hold more options)."""
+    """A message for an option of one of ddpexp's config groups that the group does not have
+    (``model=mlpp``, ``logger=[tensorboard,mlfow]``, ``-m model=mlp,convnt``), with the closest
+    and the options there are. Hydra lists the options for a single wrong one, among ten lines
+    of its search path, and for a list says only "Could not load 'logger/mlfow'". Not checked
+    where the command line adds a config dir of its own (which may hold more options)."""
     if any(a.startswith(("hydra.searchpath", "--config-dir", "-cd", "--config-path", "-cp"))
            for a in args):
         return None
@@ -70,9 +73,11 @@ def unknown_group_options(args: list[str]) -> str | None:
             continue
         group, value = override.key_or_group, override.value()
         options = _group_options(group)
-        if not options or not isinstance(value, list):
+        if isinstance(value, ChoiceSweep):
+            value = value.list
+        if not options or value is None or override.is_delete():
             continue
-        for name in value:
+        for name in value if isinstance(value, list) else [value]:
             if str(name) not in options:
                 close = difflib.get_close_matches(str(name), options, n=1)
                 hint = f"; did you mean {close[0]}?" if close else ""
@@ -92,41 +97,118 @@ def _group_options(group: str) -> list[str]:
 
 # The groups composed as dicts of entries by name.
 ENTRY_GROUPS = ("callbacks", "logger")
+# The groups whose node is built by its _target_ (their keys are its arguments).
+BUILT_GROUPS = ("task", "model", "data", "optimizer", "scheduler")
 # Flags that choose another primary config than ddpexp's: the entries are then unknown here.
 _OTHER_PRIMARY = ("--config-path", "-cp", "--config-name", "-cn")
+# Hydra's flags that take the next word as their value (``--config-dir my_conf``).
+_VALUE_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn",
+                "--cfg", "-c", "--package", "-p", "--experimental-rerun")
 
 
-def unknown_entry_keys(args: Sequence[str]) -> str | None:
-    """A message for an override of ``callbacks.NAME...`` or ``logger.NAME...`` (a value or
-    a ``~`` deletion) whose NAME, or key under it, the composed config does not have,
-    naming the closest one and those there are. Hydra rejects them too, but suggests
-    ``+callbacks.NAME...`` (a new entry that builds nothing the user meant), the wrong fix
-    for a typo. The config is composed (without those overrides) only when there are some."""
+def _config_dir_and_overrides(args: Sequence[str]) -> tuple[str | None, list[tuple[Any, str]]] | None:
+    """The ``--config-dir`` of the command line and its overrides, parsed, each with its
+    text (flags and the ``hydra.*`` keys left out); None where another primary config is
+    chosen (its keys are unknown here) or an override does not parse (Hydra's own message
+    says what is wrong with it)."""
     parser = OverridesParser.create()
-    targets, rest, config_dir = [], [], None
+    overrides, config_dir = [], None
     flags = iter(args)
     for arg in flags:
         if arg in _OTHER_PRIMARY or arg.split("=", 1)[0] in _OTHER_PRIMARY:
             return None
+        if arg.startswith("hydra.searchpath"):
+            return None  # config dirs of its own, whose groups and keys are unknown here
         if arg in ("--config-dir", "-cd"):
             config_dir = next(flags, None)
             continue
         if arg.startswith("--config-dir="):
             config_dir = arg.split("=", 1)[1]
             continue
+        if arg in _VALUE_FLAGS:
+            next(flags, None)  # its value (--cfg job) is no override
+            continue
         if arg.startswith("-"):
             continue
         try:
             override = parser.parse_override(arg)
         except HydraException:
-            return None  # Hydra's own message says what is wrong with it
-        key = override.key_or_group
-        if override.is_sweep_override() or key.startswith("hydra"):
+            return None
+        if not override.key_or_group.startswith("hydra"):
+            overrides.append((override, arg))
+    return config_dir, overrides
+
+
+def _top_level_names(config_dir: str | None) -> tuple[list[str], list[str]]:
+    """The names an override may start with: the config groups (ddpexp's and those of
+    ``config_dir``) and the other keys of the root config."""
+    folders = [Path(__file__).resolve().parents[1] / "conf"]
+    if config_dir:
+        folders.append(Path(config_dir).expanduser())
+    groups: list[str] = []
+    for folder in folders:
+        if folder.is_dir():
+            groups += [d.name for d in folder.iterdir() if d.is_dir() and d.name not in groups
+                       and not d.name.startswith(("_", ".")) and _holds_configs(d)]
+    return sorted(groups), [f.name for f in fields(DdpexpConfig) if f.name not in groups]
+
+
+def _holds_configs(folder: Path) -> bool:
+    """Whether ``folder`` is a config group: YAML files in it, or in its own groups."""
+    return any(folder.glob("*.yaml")) or any(folder.glob("*/*.yaml"))
+
+
+def unknown_top_level(args: Sequence[str]) -> str | None:
+    """A message for an override whose first name is neither a key of the root config nor a
+    config group (``modle=mlp``, ``mdoel.hidden=[64]``, ``seeed=3``), naming the closest with
+    the override corrected. Hydra rejects them too, but suggests ``+modle=mlp`` (a key nobody
+    reads), the wrong fix for a typo. Additions (``+name=...``) are the user's own."""
+    parsed = _config_dir_and_overrides(args)
+    if parsed is None:
+        return None
+    config_dir, overrides = parsed
+    groups, keys = _top_level_names(config_dir)
+    for override, arg in overrides:
+        if override.is_add() or override.is_force_add():
             continue
+        key = override.key_or_group
+        first, dot, rest = key.partition(".")
+        if first.split("/", 1)[0] in groups or first in keys:  # mygroup/sub=x: a group's own
+            continue
+        close = difflib.get_close_matches(first, [*groups, *keys], n=1)
+        tilde = "~" if override.is_delete() else ""
+        value = f"={arg.split('=', 1)[1]}" if "=" in arg else ""
+        hint = (f"did you mean {tilde}{close[0]}{dot}{rest}{value}?" if close else
+                f"it is neither a config group nor a key of the config (to add a key of your "
+                f"own: +{key}{value})")
+        return (f"unknown {'key' if dot else 'group or key'} {key}: {hint}\n"
+                f"(groups: {', '.join(groups)}; keys: {', '.join(keys)})")
+    return None
+
+
+def unknown_group_keys(args: Sequence[str]) -> str | None:
+    """A message for an override of a key under ``callbacks.NAME`` or ``logger.NAME`` (a
+    value or a ``~`` deletion) whose NAME, or key under it, the composed config does not
+    have, or of a key of the ``task``, ``model``, ``data``, ``optimizer`` or ``scheduler``
+    node that it does not have (``model.hiden=[64]``): each named with the closest name
+    there is (for a built node, also among the arguments its ``_target_`` takes). Hydra
+    rejects them too, but suggests ``+model.hiden=...`` (an argument the model does not
+    take, a TypeError in a worker later), the wrong fix for a typo. The config is composed
+    (without those overrides) only when there are some."""
+    parsed = _config_dir_and_overrides(args)
+    if parsed is None:
+        return None
+    config_dir, overrides = parsed
+    targets, rest = [], []
+    chosen = {o.key_or_group: o.value() for o, _ in overrides if "." not in o.key_or_group}
+    for override, arg in overrides:
+        key = override.key_or_group
         addition = override.is_add() or override.is_force_add()
-        if key.split(".", 1)[0] in ENTRY_GROUPS and "." in key and not addition:
-            targets.append(key)
-        else:
+        target = key.endswith("._target_") and key.count(".") == 1  # it is what the rest is of
+        if key.split(".", 1)[0] in (*ENTRY_GROUPS, *BUILT_GROUPS) and "." in key and not (
+                addition or target or _in_an_option(key, chosen, config_dir)):
+            targets.append((key, arg.split("=", 1)[1] if "=" in arg else None))
+        elif not override.is_sweep_override():
             rest.append(arg)
     if not targets:
         return None
@@ -136,22 +218,70 @@ def unknown_entry_keys(args: Sequence[str]) -> str | None:
         cfg = composed(rest, config_dir)
     except Exception:
         return None
-    problems = [p for p in (_missing_key(cfg, key) for key in targets) if p]
+    problems = [p for p in (_missing_key(cfg, key, value) for key, value in targets) if p]
     return "\n".join(problems) or None
 
 
-def _missing_key(cfg: Any, key: str) -> str | None:
-    """Why the dotted ``key`` is not in ``cfg``: the first part that is missing, the names
-    there are where it is and the closest of them; None if it is there."""
-    from omegaconf import DictConfig
+def _in_an_option(key: str, chosen: dict[str, Any], config_dir: str | None) -> bool:
+    """Whether ``key`` (``model.hidden``) of a group built by ``_target_`` is a key of the
+    group's option that the command line ``chosen`` (``{"model": "mlp"}``), or else the
+    default one, sets in its YAML file (ddpexp's or ``config_dir``'s): then the key is there,
+    and the command line's common overrides (``optimizer.lr=...``) need no composition to be
+    checked. An ``experiment=`` or ``debug=`` may choose other options: then it is composed."""
+    group, _, rest = key.partition(".")
+    if group not in BUILT_GROUPS or chosen.get("experiment") or chosen.get("debug"):
+        return False
+    option = chosen.get(group, _default_options().get(group))
+    if not isinstance(option, str):
+        return False
+    folders = [Path(__file__).resolve().parents[1] / "conf" / group]
+    if config_dir:
+        folders.append(Path(config_dir).expanduser() / group)
+    return any(rest.split(".", 1)[0] in _option_keys(str(f / f"{option}.yaml")) for f in folders)
+
+
+@functools.cache
+def _default_options() -> dict[str, Any]:
+    """The option of each group that ddpexp's root config chooses (``{"model": "convnet"}``)."""
+    import yaml
+
+    root = yaml.safe_load((Path(__file__).resolve().parents[1] / "conf" / "config.yaml").read_text())
+    return {k: v for entry in root.get("defaults", []) if isinstance(entry, dict)
+            for k, v in entry.items()}
+
+
+@functools.cache
+def _option_keys(path: str) -> frozenset[str]:
+    """The top-level keys of the YAML file ``path`` (a config group's option); none where
+    there is no such file."""
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return frozenset()
+    return frozenset(str(k) for k in loaded) if isinstance(loaded, dict) else frozenset()
+
+
+def _missing_key(cfg: Any, key: str, value: str | None = None) -> str | None:
+    """Why the dotted ``key`` (set to the text ``value``, None for a deletion) is not in
+    ``cfg``: the first part that is missing, the names there are where it is and the closest
+    of them; None if it is there."""
+    from omegaconf import DictConfig, OmegaConf
 
     node, path = cfg, []
     for part in key.split("."):
         if not isinstance(node, DictConfig):
+            if path and path[0] in BUILT_GROUPS and len(path) == 1 and node is None:
+                return _missing_argument(path[0], None, part, value)
             return None  # a value's own keys: Hydra's message
+        if part in node.keys() and OmegaConf.is_missing(node, part):
+            return None  # there, waiting for a value (data.root: ???)
         if part not in node:
             if not path:
                 return None  # the whole group was removed (~callbacks): Hydra's message
+            if path[0] in BUILT_GROUPS and len(path) == 1:
+                return _missing_argument(path[0], node, part, value)
             where, entry = ".".join(path), len(path) == 1
             names = [str(k) for k in node.keys()]
             close = difflib.get_close_matches(part, names, n=1)
@@ -163,6 +293,40 @@ def _missing_key(cfg: Any, key: str) -> str | None:
                     f"({where}: {', '.join(names) or 'none'})")
         node, path = node[part], [*path, part]
     return None
+
+
+def _missing_argument(group: str, node: Any, part: str, value: str | None) -> str:
+    """The message for ``group.part``, a key the composed ``group`` node does not have: the
+    closest key it has, or an argument of its ``_target_`` it does not set (to add with
+    ``+group.part=...``), or that the target takes no such argument."""
+    from ddpexp.config.components import arguments, import_target
+    from ddpexp.errors import ConfigError
+
+    names = [str(k) for k in node.keys() if not str(k).startswith("_")] if node else []
+    key, set_to = f"{group}.{part}", f"={value}" if value is not None else "=..."
+    target = node.get("_target_") if node else None
+    if not target:
+        options = ", ".join(o for o in _group_options(group) if o != "none")
+        return (f"unknown key {key}: the {group} config sets no _target_ and no keys "
+                f"({group}=none?); choose one first ({group} options: {options})")
+    close = difflib.get_close_matches(part, names, n=1)
+    if close:
+        return f"unknown key {key}: did you mean {group}.{close[0]}?\n({group}: {', '.join(names)})"
+    try:
+        takes, required, open_ended = arguments(import_target(f"{group}._target_", target))
+    except ConfigError as exc:
+        return str(exc)
+    if node.get("_partial_"):  # its caller passes these (the model's parameters, ...)
+        takes = [t for t in takes if t not in required]
+    if part in takes or open_ended:
+        return (f"{key} is not set by the {group} config, but {target} takes it: add it with "
+                f"+{key}{set_to}")
+    close = difflib.get_close_matches(part, takes, n=1)
+    if close:
+        return (f"unknown key {key}: did you mean {group}.{close[0]}? ({target} takes it; the "
+                f"config does not set it: +{group}.{close[0]}{set_to})")
+    return (f"unknown key {key}: {target} takes no argument {part}\n"
+            f"({target} takes: {', '.join(takes) or 'none'})")
 
 
 # A sweep's value (``a,b``, ``range(3)``) in :func:`command_line_values`.
@@ -209,9 +373,6 @@ def command_line_override(key: str, value: Any) -> str:
     return shlex.quote(f'{key}="{escaped}"')
 
 
-# Hydra's flags that take the next word as their value (``--config-dir my_conf``).
-_VALUE_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn",
-                "--cfg", "-c", "--package", "-p", "--experimental-rerun")
 # Where a sweep's job processes find the sweep's command line (a JSON list of its words):
 # their own is the job runner's.
 SWEEP_COMMAND_ENV = "DDPEXP_SWEEP_COMMAND"
@@ -267,13 +428,19 @@ def continue_sweep(sweep_dir: Path | str) -> str:
 
 
 def preflight(args: list[str]) -> str | None:
-    """Checks of the command line that must happen before Hydra claims a run dir: trainer,
-    callbacks and logger key typos, an option missing from a group's list, a run dir that a
-    live run holds or that already holds a run, and a ``resume=`` path that does not exist (which would otherwise
-    leave an empty new run dir behind its error)."""
-    typo = unknown_trainer_keys(args) or unknown_group_options(args) or unknown_entry_keys(args)
+    """Checks of the command line that must happen before Hydra claims a run dir: typos of
+    group names and keys (top-level, trainer, callbacks, logger, and the keys of the nodes
+    built by ``_target_``), an option a group does not have, a run dir that a
+    live run holds or that already holds a run, a ``hydra.launcher.max_parallel`` below 1, and
+    a ``resume=`` path that does not exist (which would otherwise leave an empty new run dir
+    behind its error)."""
+    typo = (unknown_trainer_keys(args) or unknown_top_level(args) or unknown_group_options(args)
+            or unknown_group_keys(args))
     if typo:
         return typo
+    parallel = command_line_values(args).get("hydra.launcher.max_parallel")
+    if parallel is not SWEPT and max_parallel_problem(parallel):
+        return max_parallel_problem(parallel)
     taken = busy_run_dir(args) or run_dir_conflict(args)
     if taken:
         return taken
@@ -281,6 +448,15 @@ def preflight(args: list[str]) -> str | None:
     if isinstance(resume, str) and resume not in ("", "auto") and not Path(resume).expanduser().exists():
         return f"resume={resume} is neither auto, a run dir nor a checkpoint file that exists"
     return None
+
+
+def max_parallel_problem(value: Any) -> str | None:
+    """Why ``hydra.launcher.max_parallel=value`` cannot work (below 1: it would run nothing,
+    or quietly one job at a time), or None."""
+    if value is None or isinstance(value, bool) or not isinstance(value, int) or value >= 1:
+        return None
+    return (f"hydra.launcher.max_parallel={value} must be >= 1 (K jobs at once, each on its own "
+            "slice of the machine), or null (as many at once as the machine holds)")
 
 
 def _shares_run_dir(values: dict[str, Any]) -> bool:

@@ -82,11 +82,17 @@ def drop_unstarted_claims() -> None:
         except OSError:
             continue
         shutil.rmtree(path, ignore_errors=True)
-        if path.parent.name != "outputs":
-            try:
-                path.parent.rmdir()  # only an empty one
-            except OSError:
-                pass
+        drop_empty_parent(path)
+
+
+def drop_empty_parent(run_dir: Path) -> None:
+    """Remove the parent of a claimed run dir that was removed, where nothing else is left
+    in it (``outputs/<date>``; ``outputs`` itself stays)."""
+    if Path(run_dir).parent.name != "outputs":
+        try:
+            Path(run_dir).parent.rmdir()  # only an empty one
+        except OSError:
+            pass
 
 
 def unwritable_dir_message(path: Path, exc: OSError) -> str:

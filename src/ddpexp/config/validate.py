@@ -9,8 +9,11 @@ from ddpexp.config.schema import PRECISIONS
 from ddpexp.errors import ConfigError
 
 
-def validate(cfg: DictConfig) -> None:
-    """Checks that the types alone cannot express; each failure names the allowed values."""
+def validate(cfg: DictConfig, launched_elsewhere: bool = False) -> None:
+    """Checks that the types alone cannot express; each failure names the allowed values.
+    ``launched_elsewhere``: another launcher (torchrun, srun, mpirun) started the ranks and
+    decides the nodes, so ddpexp's own rendezvous is not asked for (a ``trainer.nodes`` that
+    disagrees with the launcher's is refused by ``launch.fanout.world_plan``)."""
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(
@@ -41,7 +44,7 @@ def validate(cfg: DictConfig) -> None:
     if t.dist_timeout_s <= 0:
         raise ConfigError(f"trainer.dist_timeout_s={t.dist_timeout_s} must be > 0")
     _validate_ranges(cfg)
-    if t.nodes > 1 and not t.rdzv_endpoint:
+    if t.nodes > 1 and not t.rdzv_endpoint and not launched_elsewhere:
         raise ConfigError(
             f"trainer.nodes={t.nodes} needs trainer.rdzv_endpoint=HOST:PORT, the same on every "
             "node (HOST is the first node's address)"

@@ -42,7 +42,13 @@ from omegaconf import OmegaConf
 
 from ddpexp import errors
 from ddpexp.config.cli import continue_sweep, env_flag, resume_command
-from ddpexp.config.rundir import claimed_dirs, drop_unused_claims, has_checkpoint, lock_run_dir
+from ddpexp.config.rundir import (
+    claimed_dirs,
+    drop_empty_parent,
+    drop_unused_claims,
+    has_checkpoint,
+    lock_run_dir,
+)
 from ddpexp.config.runlock import LOCK_FILE, release
 from ddpexp.errors import ConfigError, DdpexpError, RunDirBusy, RunInterrupted
 from ddpexp.launch.resources import oom_kills
@@ -208,8 +214,11 @@ def _tidy(run_dir: Path, config_dir: Path, last: Path, last_before: Any, hydra_c
             _untouched(run_dir, log_name):
         for entry in run_dir.iterdir():
             shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
-        if str(run_dir) in claimed_dirs() or not any(run_dir.iterdir()):
+        claimed = str(run_dir) in claimed_dirs()
+        if claimed or not any(run_dir.iterdir()):
             shutil.rmtree(run_dir, ignore_errors=True)
+        if claimed:
+            drop_empty_parent(run_dir)  # the outputs/<date> it was the first run of
         return
     if config_dir.name.startswith("resume-") and _stamp(last) == last_before:
         shutil.rmtree(config_dir, ignore_errors=True)

@@ -120,7 +120,7 @@ def _prepare(cfg: DictConfig, hydra_cfg: Any, run_dir: Path, world: World | None
     # torch and the trainer: imported by a run, not by every importer of this module.
     from ddpexp.checkpoint import io as checkpoint
 
-    validate(cfg)
+    validate(cfg, launched_elsewhere=world is not None)
     plan = world_plan(cfg.trainer, world) if world is not None else plan_run(cfg.trainer)
     check_resources(plan, cores=node_cores(launched_elsewhere=True) if world is not None else None)
     try:
@@ -238,13 +238,16 @@ def run(cfg: DictConfig) -> float | None:
 
 
 def check_parts(plain: dict, run_dir: Path) -> None:
-    """Refuse a bad ``callbacks`` or ``logger`` entry (no ``_target_``, one that does not
-    import, a class of the wrong kind) with one message, before any worker starts; then let
-    each logger prepare its store (an MLflow database's schema, say)."""
+    """Refuse a bad ``_target_`` of the task, model, data, optimizer or scheduler (one that
+    does not import, a key it takes no argument for) and a bad ``callbacks`` or ``logger``
+    entry (no ``_target_``, one that does not import, a class of the wrong kind) with one
+    message, before any worker starts; then let each logger prepare its store (an MLflow
+    database's schema, say)."""
     from ddpexp.callbacks import Callback
     from ddpexp.config import components
     from ddpexp.loggers import outputs_root, prepare_loggers
 
+    components.check_nodes(plain)
     components.check("callbacks", plain.get("callbacks"), Callback)
     prepare_loggers(plain.get("logger") or {}, outputs_root(run_dir))
 
@@ -337,11 +340,9 @@ def world_plan(trainer: Any, world: World) -> Plan:
             f"one per GPU: start {gpus} per node ({_per_node_flag(world, gpus)}), or use "
             f"trainer.gpus={per_node}"
         )
-    if nodes != 1 and nodes != world.nodes:
-        raise ConfigError(
-            f"trainer.nodes={nodes}, but {world.what} span {world.nodes} node(s): leave "
-            "trainer.nodes unset (the launcher decides the nodes)"
-        )
+    problem = ranks.nodes_problem(nodes, world)
+    if problem:
+        raise ConfigError(problem)
     return Plan(strategy, per_node, world.nodes, gpus)
 
 

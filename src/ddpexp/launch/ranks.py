@@ -94,7 +94,8 @@ def sweep_problem(args: list[str], world: World) -> str | None:
 
 def fanout_keys_problem(args: list[str], world: World) -> str | None:
     """A message when the command line sets a key of ddpexp's own fan-out that the launcher
-    decides instead: restarts (``trainer.max_restarts``) and the nodes' rendezvous
+    decides instead: restarts (``trainer.max_restarts``), the number of nodes
+    (``trainer.nodes``, :func:`nodes_problem`) and the nodes' rendezvous
     (``trainer.rdzv_endpoint``)."""
     from ddpexp.config.cli import SWEPT, command_line_values
 
@@ -105,11 +106,36 @@ def fanout_keys_problem(args: list[str], world: World) -> str | None:
                 "the launcher's own restarts (and resume=auto with a fixed hydra.run.dir)")
         return (f"trainer.max_restarts={restarts} restarts ddpexp's own workers, but "
                 f"{world.what} were started by another launcher: use {hint}")
+    nodes = values.get("trainer.nodes")
+    if isinstance(nodes, int) and not isinstance(nodes, bool):
+        problem = nodes_problem(nodes, world)
+        if problem:
+            return problem
     if values.get("trainer.rdzv_endpoint") not in (None, ""):
         return (f"trainer.rdzv_endpoint is the rendezvous of ddpexp's own nodes, but "
                 f"{world.what} meet at {world.master_addr}:{world.master_port}, which the "
                 "launcher chose: leave trainer.rdzv_endpoint unset")
     return None
+
+
+def nodes_problem(nodes: int, world: World) -> str | None:
+    """A message when ``trainer.nodes`` asks for another number of nodes than ``world``
+    spans: the launcher decides the nodes (torchrun by its ``--nnodes``), and the message
+    says how to ask it for ``nodes``. None where they agree (or ``nodes`` is the default 1)."""
+    if nodes == 1 or nodes == world.nodes:
+        return None
+    start = {
+        "torchrun": f"torchrun --nnodes={nodes} --rdzv-endpoint=HOST:PORT ... on each of the "
+                    f"{nodes} nodes (torchrun's --nnodes is the number of nodes)",
+        "slurm": f"srun --nodes={nodes} ... (the SLURM step's nodes are the run's)",
+        "mpi": f"mpirun with {nodes} hosts (--host or --hostfile; the MPI job's hosts are the "
+               "run's nodes)",
+        "env": f"{nodes} nodes' ranks (WORLD_SIZE counts the ranks of every node)",
+    }[world.launcher]
+    return (f"trainer.nodes={nodes}, but {world.what} span {world.nodes} node(s): the launcher "
+            f"decides the nodes, not trainer.nodes. Leave trainer.nodes unset (and "
+            f"trainer.rdzv_endpoint: both are for ddpexp's own fan-out), and for {nodes} nodes "
+            f"start {start}")
 
 
 def quiet_torch_warnings() -> None:

@@ -24,6 +24,7 @@ from ddpexp.launch import proc
 from ddpexp.launch.failures import explain_os_error
 from ddpexp.launch.world import OWN_WORKER_ENV
 from ddpexp.runtime import dist as ddist
+from ddpexp.runtime.jobtag import tag_console
 from ddpexp.strategies.registry import strategy_class
 from ddpexp.training.trainer import Trainer
 
@@ -36,8 +37,9 @@ LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s]{rank} - %(message)s"
 
 
 def setup_logging(rank: int, log_file: str) -> None:
-    """Rank 0 logs INFO to stderr and the run's log; the other ranks only their warnings and
-    errors, tagged with their rank, so that a failing rank is seen without the noise."""
+    """Rank 0 logs INFO to stdout and the run's log; the other ranks only their warnings and
+    errors, tagged with their rank, so that a failing rank is seen without the noise. A
+    sweep job's workers put the job's ``#N`` before each console line."""
     tag = "" if rank == 0 else f"[rank{rank}]"
     formatter = logging.Formatter(LOG_FORMAT.format(rank=tag))
     root = logging.getLogger()
@@ -50,6 +52,7 @@ def setup_logging(rank: int, log_file: str) -> None:
         handler.setLevel(level)
         root.addHandler(handler)
     root.setLevel(level)
+    tag_console()  # a sweep job's workers: #N before each console line, as the job's own
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
 
 

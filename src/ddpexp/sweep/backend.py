@@ -29,6 +29,7 @@ from omegaconf import DictConfig
 
 from ddpexp.config.cli import SWEEP_COMMAND_ENV, sweep_command
 from ddpexp.record import JOB_STARTED_ENV
+from ddpexp.runtime.jobtag import JOB_TAG_ENV
 
 
 class JobFailed(CompactHydraException):
@@ -194,8 +195,9 @@ def payload(launcher: Any, job: Job) -> dict[str, Any]:
 def job_env(job: Job) -> dict[str, str]:
     """The variables a job's process adds to its environment: the job's own (a trial's
     identity), when it started (its run counts its wall time from ``job.started``, the
-    process's start-up included) and the sweep's command (what "continue it with" repeats)."""
-    env = {**job.env, JOB_STARTED_ENV: repr(job.started)}
+    process's start-up included), the tag of its console lines (``#N``, as :attr:`Job.label`
+    names it) and the sweep's command (what "continue it with" repeats)."""
+    env = {**job.env, JOB_STARTED_ENV: repr(job.started), JOB_TAG_ENV: f"#{job.idx}"}
     command = sweep_command()
     if command is not None:
         env[SWEEP_COMMAND_ENV] = json.dumps(command)

@@ -24,8 +24,8 @@ log_name = "hydra_plugins.ddpexp_launcher"
 
 
 class _Announced:
-    """Wraps the task function: logs where the job runs (into the job's own log, which
-    Hydra has configured by then), then calls it."""
+    """Wraps the task function: tags the job's console lines (``#N``), logs where the job
+    runs (into the job's own log, which Hydra has configured by then), then calls it."""
 
     def __init__(self, task_function: Any, num: Any) -> None:
         self.task_function = task_function
@@ -34,6 +34,9 @@ class _Announced:
     def __call__(self, cfg: Any) -> Any:
         import logging
 
+        from ddpexp.runtime.jobtag import tag_console
+
+        tag_console()  # the console handlers Hydra has just set up: #N before each line
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         server = sys.modules.get("ddpexp.sweep.forkserver")
         forked_from = getattr(server, "FORKED_FROM", None)

@@ -40,6 +40,9 @@ class DdpLauncher(Launcher):
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction,
               config: DictConfig) -> None:
+        """Keep the sweep's config; refuse launcher settings that cannot work before the
+        sweep writes anything."""
+        check_settings(self)
         self.config = config
         self.hydra_context = hydra_context
         self.task_function = task_function
@@ -55,3 +58,15 @@ class DdpLauncher(Launcher):
         from ddpexp.sweep import driver
 
         return driver.launch(self, job_overrides=job_overrides, initial_job_idx=initial_job_idx)
+
+
+def check_settings(launcher: DdpLauncher) -> None:
+    """Refuse ``hydra.launcher.*`` values that cannot work, with one message: a
+    ``max_parallel`` below 1 would run nothing, or quietly one job at a time. (A value typed
+    on the command line is refused before Hydra starts: ddpexp.config.cli.preflight.)"""
+    from ddpexp.config.cli import max_parallel_problem
+    from ddpexp.errors import ConfigError
+
+    problem = max_parallel_problem(launcher.max_parallel)
+    if problem:
+        raise ConfigError(problem)
