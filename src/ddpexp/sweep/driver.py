@@ -62,7 +62,7 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]],
     backend = backend_of(launcher)
     assert backend is not None, "launch() runs on a launcher that offers a backend"
     sweep_dir = begin(launcher)
-    jobs = [prepare(launcher, list(o), i, sweep_dir)
+    jobs = [_waiting(prepare(launcher, list(o), i, sweep_dir))
             for i, o in enumerate(job_overrides, start=initial_job_idx)]
     _refuse_busy(jobs)
     backend.prepare()
@@ -70,8 +70,6 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]],
     log.info("%s: %d job(s) in %s, %s", _name(launcher), len(job_overrides), sweep_dir,
              backend.describe())
     pending = [j for j in jobs if j.ret is None]
-    for job in pending:
-        job.pack()
     failed = any(j.ret is not None and j.outcome == "failed" for j in jobs)
     fail_fast = bool(getattr(launcher, "fail_fast", False))
     with Driver(launcher, backend) as driver:
@@ -321,6 +319,16 @@ def finish(end: Ended) -> None:
     job.interrupted_by = _interruption(job, end.signal)
     log.info("\t#%d ended (%s) after %.1f s", job.idx, job.outcome + (
         f" by {job.interrupted_by}" if job.interrupted_by else ""), job.ended - job.started)
+
+
+def _waiting(job: Job) -> Job:
+    """A job just composed, as it waits for its turn: its config packed, as each is composed
+    (so that a sweep never holds every job's config at once), or let go if it will not run."""
+    if job.ret is None:
+        job.pack()
+    else:
+        _let_go(job)
+    return job
 
 
 def _let_go(job: Job) -> None:
