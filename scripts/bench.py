@@ -42,6 +42,7 @@ sweeper in batches of ``max_parallel`` (how a batch sweeper such as hydra-optuna
     python scripts/bench.py --peers         # with Lightning, where it is installed
     python scripts/bench.py --gpu --peers   # the GPU cases (scripts/gpu_check.sh runs them)
     python scripts/bench.py --cases search  # the search case only (--quick: 4 short trials)
+    python scripts/bench.py --cases save    # the loop's stall at a save, async_save on and off
     python scripts/bench.py --cases loggers # logger=tensorboard vs logger=[tensorboard,mlflow]
     python scripts/bench.py --cases launchers  # an 8-job sweep: ddp launcher vs Hydra's basic, joblib
 """
@@ -55,6 +56,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -646,6 +648,83 @@ def fsdp_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------- the save case
+SAVE = "save"
+# The save case's variants: no checkpoint mid-run, and every SAVE_EVERY steps in the loop or
+# in the background.
+SAVE_VARIANTS = {"none": [], "sync": ["trainer.async_save=false"],
+                 "async": ["trainer.async_save=true"]}
+
+
+def save_args(quick: bool, variant: str, text: Path, out: Path) -> list[str]:
+    """The fsdp case's GPT of about 151M parameters (quick: 2 blocks of width 64) with AdamW
+    in one process on the CPU, logging every step; ``variant`` saves ``last.pt`` every 3
+    steps (steps 3, 6 and 9 of 10) in the loop or in the background, or not mid-run."""
+    size = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4"] if quick else \
+        ["model.n_layer=12", "model.n_embd=1024", "model.n_head=16"]
+    every = ["trainer.ckpt_every_steps=3"] if variant != "none" else []
+    return [sys.executable, "-m", "ddpexp", "task=lm", "model=gpt", *size, "data=text",
+            f"data.path={text}", "data.block_size=32", "data.batch_size=2", "optimizer=adamw",
+            "trainer.strategy=single", "trainer.max_steps=10", "trainer.log_every_n_steps=1",
+            "trainer.limit_val_batches=1", "trainer.test=false", "trainer.progress_bar=false",
+            *every, *SAVE_VARIANTS[variant], f"hydra.run.dir={out}"]
+
+
+def _loop_s(out: Path) -> float:
+    """Seconds from the end of the first optimizer step to the end of the last, from the
+    wall times of the per-step ``train/loss`` events: start-up and the end-of-run save (which
+    every variant makes, and waits for) fall outside."""
+    events = _scalars(out / "tb")["train/loss"]
+    return events[-1].wall_time - events[0].wall_time
+
+
+def save_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str:
+    """The loop's stall at a save: the loop time of a run that saves 3 times mid-run minus
+    that of the same run without, per save, in the loop (``async_save=false``) and in the
+    background (``true``), alternating the order; the peak RSS over the run without saves
+    (what the saves cost in memory: for the background one, the snapshot); a markdown table
+    of medians and the target's verdict (the async stall under 20% of the sync one)."""
+    figures: dict[str, list[dict]] = {name: [] for name in SAVE_VARIANTS}
+    saves = 3
+    with tempfile.TemporaryDirectory(prefix="ddpexp-bench-save-") as tmp:
+        text = Path(tmp) / "text.txt"
+        text.write_text((ROOT / "README.md").read_text())
+        for r in range(repeats):
+            names = list(SAVE_VARIANTS)
+            for name in names[r % 3:] + names[:r % 3]:
+                out = Path(tmp) / f"{name}-{r}"
+                _, wall, rss = run_command(save_args(quick, name, text, out), Path(tmp), env, timeout)
+                loop = _loop_s(out)
+                size = (out / "checkpoints" / "last.pt").stat().st_size
+                figures[name].append({"loop_s": loop, "wall_s": wall, "rss_mib": rss,
+                                      "ckpt_mib": size / 2**20})
+                shutil.rmtree(out / "checkpoints")  # some GB each at full size
+                print(f"[{r + 1}/{repeats}] save-case {name:5s} loop {loop:6.2f}s wall {wall:6.1f}s  "
+                      f"max RSS {rss:.0f}MiB  last.pt {size / 2**20:.0f}MiB", file=sys.stderr, flush=True)
+
+    def med(name: str, key: str) -> float:
+        return statistics.median(f[key] for f in figures[name])
+
+    base_loop, base_rss = med("none", "loop_s"), med("none", "rss_mib")
+    stall = {name: statistics.median((f["loop_s"] - b["loop_s"]) / saves for f, b in
+                                     zip(figures[name], figures["none"], strict=True))
+             for name in ("sync", "async")}
+    lines = [f"GPT ({'2 x 64' if quick else '12 x 1024, about 151M parameters'}), AdamW, one "
+             f"process on the CPU, 10 steps of 2 x 32 tokens, last.pt "
+             f"{med('sync', 'ckpt_mib'):.0f} MiB saved at steps 3, 6 and 9; medians of "
+             f"{repeats} round(s)", "",
+             "| trainer.async_save | loop s (steps 1-10) | stall per save s | peak RSS MiB "
+             "| RSS over no saves MiB |", "|---|---|---|---|---|",
+             f"| (no saves mid-run) | {base_loop:.2f} | | {base_rss:.0f} | |"]
+    for name in ("sync", "async"):
+        lines.append(f"| {name == 'async'} | {med(name, 'loop_s'):.2f} | {stall[name]:.2f} | "
+                     f"{med(name, 'rss_mib'):.0f} | {med(name, 'rss_mib') - base_rss:.0f} |")
+    ratio = stall["async"] / stall["sync"] if stall["sync"] > 0 else float("nan")
+    lines += ["", f"async stall / sync stall: {ratio:.2f} "
+              f"(target < 0.2: {'met' if ratio < 0.2 else 'MISSED'})"]
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------- main
 def make_cases(quick: bool, only: list[str] | None) -> list[Case]:
     if quick:
@@ -710,7 +789,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="a subset of: overhead compute startup sweep search (--quick runs search "
                         "only when named; with --gpu: gpu-fp32 gpu-bf16 gpu-dp gpu-fsdp gpu-compile; fsdp: "
                         "the memory case, loggers: a tracker's cost per step, launchers: an 8-job "
-                        "sweep under ddpexp's and Hydra's launchers, each only when named)")
+                        "sweep under ddpexp's and Hydra's launchers, save: the loop's stall at a "
+                        "checkpoint with trainer.async_save on and off, each only when named)")
     p.add_argument("--peers", action="store_true",
                    help="add Lightning (scripts/lightning_ddp.py) where it is installed")
     p.add_argument("--gpu", action="store_true", help="the GPU cases instead of the CPU ones")
@@ -728,7 +808,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     repeats = args.repeats or (1 if args.quick or args.dry_run else 3)
     skipped: list[str] = []
-    with_search = with_fsdp = with_loggers = with_launchers = False
+    with_search = with_fsdp = with_loggers = with_launchers = with_save = False
     if args.gpu:
         cases, skipped = gpu_cases(args.dry_run, args.cases)
         if not args.dry_run:
@@ -742,7 +822,8 @@ def main(argv: list[str] | None = None) -> None:
         with_fsdp = FSDP in (args.cases or [])
         with_loggers = LOGGERS in (args.cases or [])
         with_launchers = LAUNCHERS in (args.cases or [])
-        others = [c for c in args.cases or [] if c not in (SEARCH, FSDP, LOGGERS, LAUNCHERS)]
+        with_save = SAVE in (args.cases or [])
+        others = [c for c in args.cases or [] if c not in (SEARCH, FSDP, LOGGERS, LAUNCHERS, SAVE)]
         cases = make_cases(args.quick, others or None) if others or not args.cases else []
     peers = args.peers and lightning_installed()
     if args.peers and not peers:
@@ -787,6 +868,9 @@ def main(argv: list[str] | None = None) -> None:
     if with_launchers:
         print()
         print(launchers_bench(args.quick, repeats, env, args.timeout))
+    if with_save:
+        print()
+        print(save_bench(args.quick, repeats, env, args.timeout))
     if args.json:
         Path(args.json).write_text(json.dumps(
             {f"{c}/{r}": [vars(x) for x in runs] for (c, r), runs in res.runs.items()}, indent=2))
