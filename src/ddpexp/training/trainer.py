@@ -341,8 +341,10 @@ class Trainer:
                     self._test()  # still watched: the test of best.pt runs collectives too
         except BaseException as exc:
             self.callbacks.fire("on_exception", self, exc)
-            self._settle_saves()
+            cause = self._settle_saves(exc)
             self.loggers.finalize("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
+            if cause is not None:
+                raise cause from None
             raise
         result = self._result()
         self.callbacks.fire("on_fit_end", self, result)
@@ -625,14 +627,19 @@ class Trainer:
         if self.ctx.is_main:
             write_metrics(self.run_dir, self._result())
 
-    def _settle_saves(self) -> None:
+    def _settle_saves(self, exc: BaseException) -> BaseException | None:
         """On the way out of a failed run: let the background save finish (its file is then
-        whole, not cut off by the process's exit); its own failure is logged, the run's
-        first one is what is raised."""
+        whole, not cut off by the process's exit). Returns its failure where that is the
+        one to report instead of ``exc``: both are OS errors, as when the checkpoint's write
+        filled the disk and the next small write (metrics.json) met it full. Else its failure
+        is logged and ``exc`` is the run's."""
         try:
             self.wait_for_saves()
-        except Exception as exc:
-            log.error("the checkpoint written in the background failed too: %s", exc)
+        except Exception as failed:
+            if isinstance(exc, OSError) and isinstance(failed, OSError):
+                return failed
+            log.error("the checkpoint written in the background failed too: %s", failed)
+        return None
 
     def _interrupt(self) -> None:
         """Stop on a signal: the callbacks learn of it on every rank (the checkpoint callback
