@@ -41,6 +41,19 @@ def test_the_snapshot_is_a_copy_that_keeps_shared_storages():
     assert background.state_bytes(state) == 12 * 4 + 4
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_snapshot_of_cuda_tensors_lands_on_the_host_before_it_returns():
+    live = torch.randn(1 << 22, device="cuda")
+    state = {"w": live, "view": live[:10], "step": torch.tensor(1.0)}
+    want = live.cpu()
+    copy = background.snapshot(state)
+    live.zero_()  # queued after the copies: they must have landed already
+    torch.cuda.synchronize()
+    assert copy["w"].device.type == "cpu" and torch.equal(copy["w"], want)
+    assert torch.equal(copy["view"], want[:10])
+
+
 class SaveTwiceThenStep(Callback):
     """At step ``at``: a save in the loop, then the same step's save in the background, whose
     writer is held until the loop has taken ``more`` further steps."""
