@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import logging
+import os
+import signal
 import threading
 import time
 
@@ -128,6 +130,32 @@ def test_a_run_ends_tests_and_resumes_only_after_its_last_save(trainer_factory):
     again.fit(resume_from=t.run_dir / "checkpoints" / "last.pt")
     assert again.step == 8
     assert torch.load(t.run_dir / "checkpoints" / "last.pt", weights_only=True)["step"] == 8
+
+
+class Terminate(Callback):
+    """Sends this process SIGTERM at step ``at``, as a scheduler's preemption does."""
+
+    def __init__(self, at: int = 3):
+        self.at = at
+
+    def on_train_batch_end(self, trainer) -> None:
+        if trainer.step == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_sigterm_ends_the_run_once_its_checkpoint_is_written(trainer_factory, caplog):
+    """Saves every 2 steps, each write held for half a second: SIGTERM at step 3 comes while
+    the save of step 2 is in flight; the stop's own save waits for it, and the run returns
+    (interrupted, "checkpoint saved" logged) only once last.pt holds step 3."""
+    t = trainer_factory(callbacks={"checkpoint": ModelCheckpoint(every_n_steps=2),
+                                   "slow": Slow(), "term": Terminate()},
+                        samples=(64, 16, 0), async_save=True)
+    with caplog.at_level(logging.WARNING, logger="ddpexp"):
+        result = t.fit()
+    assert result["status"] == "interrupted" and t.step == 3
+    assert not t.saver.busy
+    assert torch.load(t.run_dir / "checkpoints" / "last.pt", weights_only=True)["step"] == 3
+    assert any("checkpoint saved" in r.getMessage() for r in caplog.records)
 
 
 class WaitForTheWriter(Callback):
