@@ -651,41 +651,52 @@ def fsdp_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str:
 # ---------------------------------------------------------------------- the save case
 SAVE = "save"
 # The save case's variants: no checkpoint mid-run, and every SAVE_EVERY steps in the loop or
-# in the background.
+# in the background (trainer.async_save).
 SAVE_VARIANTS = {"none": [], "sync": ["trainer.async_save=false"],
                  "async": ["trainer.async_save=true"]}
 
 
 def save_args(quick: bool, variant: str, text: Path, out: Path) -> list[str]:
     """The fsdp case's GPT of about 151M parameters (quick: 2 blocks of width 64) with AdamW
-    in one process on the CPU, logging every step; ``variant`` saves ``last.pt`` every 3
-    steps (steps 3, 6 and 9 of 10) in the loop or in the background, or not mid-run."""
+    in one process on the CPU, logging every step; ``variant`` saves ``last.pt`` every
+    SAVE_EVERY steps (steps 2, 4 and 6 of 8) in the loop or in the background, or not mid-run."""
     size = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4"] if quick else \
         ["model.n_layer=12", "model.n_embd=1024", "model.n_head=16"]
-    every = ["trainer.ckpt_every_steps=3"] if variant != "none" else []
+    every = [f"trainer.ckpt_every_steps={SAVE_EVERY}"] if variant != "none" else []
     return [sys.executable, "-m", "ddpexp", "task=lm", "model=gpt", *size, "data=text",
             f"data.path={text}", "data.block_size=32", "data.batch_size=2", "optimizer=adamw",
-            "trainer.strategy=single", "trainer.max_steps=10", "trainer.log_every_n_steps=1",
-            "trainer.limit_val_batches=1", "trainer.test=false", "trainer.progress_bar=false",
-            *every, *SAVE_VARIANTS[variant], f"hydra.run.dir={out}"]
+            "trainer.strategy=single", f"trainer.max_steps={SAVE_STEPS}",
+            "trainer.log_every_n_steps=1", "trainer.limit_val_batches=1", "trainer.test=false",
+            "trainer.progress_bar=false", *every, *SAVE_VARIANTS[variant], f"hydra.run.dir={out}"]
 
 
-def _loop_s(out: Path) -> float:
-    """Seconds from the end of the first optimizer step to the end of the last, from the
-    wall times of the per-step ``train/loss`` events: start-up and the end-of-run save (which
-    every variant makes, and waits for) fall outside."""
-    events = _scalars(out / "tb")["train/loss"]
-    return events[-1].wall_time - events[0].wall_time
+SAVE_EVERY, SAVE_STEPS = 2, 8
+SAVED_AT = list(range(SAVE_EVERY, SAVE_STEPS, SAVE_EVERY))  # the last step saves at the end
+
+
+def _step_ends(out: Path) -> list[float]:
+    """The wall time at the end of each optimizer step (its ``train/loss`` event)."""
+    return [e.wall_time for e in _scalars(out / "tb")["train/loss"]]
+
+
+def _stops(ends: list[float]) -> list[float]:
+    """The seconds each mid-run save stopped the loop, read inside one run: the interval
+    from the end of its step to the end of the next, minus the median interval between
+    steps that follow no save (robust to a load that drifts between runs)."""
+    # ends[i] is the end of step i + 1; intervals[s] is the time from step s - 1 to step s.
+    intervals = {s: ends[s - 1] - ends[s - 2] for s in range(2, len(ends) + 1)}
+    plain = statistics.median(v for s, v in intervals.items() if s - 1 not in SAVED_AT)
+    return [intervals[s + 1] - plain for s in SAVED_AT]
 
 
 def save_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str:
-    """The loop's stall at a save: the loop time of a run that saves 3 times mid-run minus
-    that of the same run without, per save, in the loop (``async_save=false``) and in the
-    background (``true``), alternating the order; the peak RSS over the run without saves
-    (what the saves cost in memory: for the background one, the snapshot); a markdown table
+    """The loop's stall at a save, in the loop (``async_save=false``) and in the background
+    (``true``): the loop time (end of step 1 to end of the last step) of a run that saves
+    mid-run minus that of the same run without, per save; and the stop read inside each
+    run (:func:`_stops`). Peak RSS over the run without saves is what the saves cost in
+    memory (for the background one, its snapshot). Alternates the order; a markdown table
     of medians and the target's verdict (the async stall under 20% of the sync one)."""
     figures: dict[str, list[dict]] = {name: [] for name in SAVE_VARIANTS}
-    saves = 3
     with tempfile.TemporaryDirectory(prefix="ddpexp-bench-save-") as tmp:
         text = Path(tmp) / "text.txt"
         text.write_text((ROOT / "README.md").read_text())
@@ -694,34 +705,47 @@ def save_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str:
             for name in names[r % 3:] + names[:r % 3]:
                 out = Path(tmp) / f"{name}-{r}"
                 _, wall, rss = run_command(save_args(quick, name, text, out), Path(tmp), env, timeout)
-                loop = _loop_s(out)
+                ends = _step_ends(out)
                 size = (out / "checkpoints" / "last.pt").stat().st_size
-                figures[name].append({"loop_s": loop, "wall_s": wall, "rss_mib": rss,
-                                      "ckpt_mib": size / 2**20})
+                stops = _stops(ends) if name != "none" else []
+                figures[name].append({"loop_s": ends[-1] - ends[0], "wall_s": wall, "rss_mib": rss,
+                                      "ckpt_mib": size / 2**20, "stops": stops})
                 shutil.rmtree(out / "checkpoints")  # some GB each at full size
-                print(f"[{r + 1}/{repeats}] save-case {name:5s} loop {loop:6.2f}s wall {wall:6.1f}s  "
-                      f"max RSS {rss:.0f}MiB  last.pt {size / 2**20:.0f}MiB", file=sys.stderr, flush=True)
+                print(f"[{r + 1}/{repeats}] save-case {name:5s} loop {ends[-1] - ends[0]:6.2f}s "
+                      f"wall {wall:6.1f}s  max RSS {rss:.0f}MiB  last.pt {size / 2**20:.0f}MiB  "
+                      f"stops {' '.join(f'{x:.2f}' for x in stops)}  "
+                      f"load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
 
     def med(name: str, key: str) -> float:
         return statistics.median(f[key] for f in figures[name])
 
     base_loop, base_rss = med("none", "loop_s"), med("none", "rss_mib")
+    saves = len(SAVED_AT)
     stall = {name: statistics.median((f["loop_s"] - b["loop_s"]) / saves for f, b in
                                      zip(figures[name], figures["none"], strict=True))
              for name in ("sync", "async")}
+    stop = {name: statistics.median(x for f in figures[name] for x in f["stops"])
+            for name in ("sync", "async")}
     lines = [f"GPT ({'2 x 64' if quick else '12 x 1024, about 151M parameters'}), AdamW, one "
-             f"process on the CPU, 10 steps of 2 x 32 tokens, last.pt "
-             f"{med('sync', 'ckpt_mib'):.0f} MiB saved at steps 3, 6 and 9; medians of "
-             f"{repeats} round(s)", "",
-             "| trainer.async_save | loop s (steps 1-10) | stall per save s | peak RSS MiB "
-             "| RSS over no saves MiB |", "|---|---|---|---|---|",
-             f"| (no saves mid-run) | {base_loop:.2f} | | {base_rss:.0f} | |"]
+             f"process on the CPU, {SAVE_STEPS} steps of 2 x 32 tokens, last.pt "
+             f"{med('sync', 'ckpt_mib'):.0f} MiB saved at steps "
+             f"{', '.join(map(str, SAVED_AT))}; medians of {repeats} round(s), load average "
+             f"{os.getloadavg()[0]:.1f} at the end", "",
+             "| trainer.async_save | loop s | stall per save s (loop - no-save loop) "
+             "| stop at a save s (in-run) | peak RSS MiB | RSS over no saves MiB |",
+             "|---|---|---|---|---|---|",
+             f"| (no saves mid-run) | {base_loop:.2f} | | | {base_rss:.0f} | |"]
     for name in ("sync", "async"):
-        lines.append(f"| {name == 'async'} | {med(name, 'loop_s'):.2f} | {stall[name]:.2f} | "
-                     f"{med(name, 'rss_mib'):.0f} | {med(name, 'rss_mib') - base_rss:.0f} |")
-    ratio = stall["async"] / stall["sync"] if stall["sync"] > 0 else float("nan")
-    lines += ["", f"async stall / sync stall: {ratio:.2f} "
-              f"(target < 0.2: {'met' if ratio < 0.2 else 'MISSED'})"]
+        lines.append(f"| {str(name == 'async').lower()} | {med(name, 'loop_s'):.2f} | "
+                     f"{stall[name]:.2f} | {stop[name]:.2f} | {med(name, 'rss_mib'):.0f} | "
+                     f"{med(name, 'rss_mib') - base_rss:.0f} |")
+
+    def verdict(a: float, b: float) -> str:
+        ratio = a / b if b > 0 else float("nan")
+        return f"{ratio:.2f} (target < 0.2: {'met' if ratio < 0.2 else 'MISSED'})"
+
+    lines += ["", f"async / sync stall per save: {verdict(stall['async'], stall['sync'])}; "
+              f"async / sync stop at a save: {verdict(stop['async'], stop['sync'])}"]
     return "\n".join(lines)
 
 
