@@ -206,3 +206,15 @@ def test_async_save_false_never_starts_a_thread(trainer_factory):
     t.saver.before_write = lambda: started.append("thread")
     t.fit()
     assert started == [] and (t.run_dir / "checkpoints" / "last.pt").is_file()
+
+
+def test_a_strategy_whose_save_is_collective_writes_in_the_loop():
+    """fsdp's shards are written by every rank together: its saves stay in the loop's
+    thread even where ``trainer.async_save=true``."""
+    from ddpexp.strategies.fsdp import FSDP
+
+    assert FSDP.background_save is False
+    saver = background.Saver(True, capable=FSDP.background_save)
+    threads: list[str] = []
+    saver.save(lambda state: threads.append(threading.current_thread().name), {"w": torch.ones(2)})
+    assert threads == [threading.main_thread().name] and not saver.busy
