@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -94,14 +95,15 @@ def snapshot(obj: Any) -> Any:
 
     def walk(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            if value.layout != torch.strided or type(value) is not torch.Tensor and \
-                    not isinstance(value, torch.nn.Parameter):
-                return value.detach().to("cpu", copy=True)  # sparse, DTensor: a plain copy
+            dense = value.layout == torch.strided and type(value) in (torch.Tensor, torch.nn.Parameter)
+            if not dense:
+                return value.detach().to("cpu", copy=True)  # sparse, a subclass: a plain copy
             out = torch.empty(0, dtype=value.dtype)
             out.set_(copy_storage(value), value.storage_offset(), value.size(), value.stride())
             return out
-        if isinstance(value, dict):
-            return type(value)((k, walk(v)) for k, v in value.items())
+        if isinstance(value, dict):  # a state_dict's OrderedDict stays one: the same pickle
+            items = [(k, walk(v)) for k, v in value.items()]
+            return OrderedDict(items) if isinstance(value, OrderedDict) else dict(items)
         if isinstance(value, list):
             return [walk(v) for v in value]
         if isinstance(value, tuple):
