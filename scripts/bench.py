@@ -42,6 +42,7 @@ sweeper in batches of ``max_parallel`` (how a batch sweeper such as hydra-optuna
     python scripts/bench.py --peers         # with Lightning, where it is installed
     python scripts/bench.py --gpu --peers   # the GPU cases (scripts/gpu_check.sh runs them)
     python scripts/bench.py --cases search  # the search case only (--quick: 4 short trials)
+    python scripts/bench.py --cases save    # the loop's stall at a save, async_save on and off
     python scripts/bench.py --cases loggers # logger=tensorboard vs [tensorboard,mlflow], [..,wandb]
     python scripts/bench.py --cases launchers  # an 8-job sweep: ddp launcher vs Hydra's basic, joblib
     python scripts/bench.py --cases gaps       # the search's slot gaps over 8 and 32 trials
@@ -56,6 +57,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -730,6 +732,133 @@ def fsdp_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------- the save case
+SAVE = "save"
+# The save case's variants: no checkpoint mid-run, and every SAVE_EVERY steps in the loop or
+# in the background (trainer.async_save).
+SAVE_VARIANTS = {"none": [], "sync": ["trainer.async_save=false"],
+                 "async": ["trainer.async_save=true"]}
+
+
+def save_args(quick: bool, variant: str, text: Path, out: Path) -> list[str]:
+    """The fsdp case's GPT of about 151M parameters (quick: 2 blocks of width 64) with AdamW
+    in one process on the CPU, logging every step; ``variant`` saves ``last.pt`` every
+    SAVE_EVERY steps (steps 2, 4 and 6 of 7) in the loop or in the background, or not mid-run."""
+    size = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4"] if quick else \
+        ["model.n_layer=12", "model.n_embd=1024", "model.n_head=16"]
+    every = [f"trainer.ckpt_every_steps={SAVE_EVERY}"] if variant != "none" else []
+    return [sys.executable, "-m", "ddpexp", "task=lm", "model=gpt", *size, "data=text",
+            f"data.path={text}", "data.block_size=32", "data.batch_size=2", "optimizer=adamw",
+            "trainer.strategy=single", f"trainer.max_steps={SAVE_STEPS}",
+            "trainer.log_every_n_steps=1", "trainer.limit_val_batches=1", "trainer.test=false",
+            "trainer.progress_bar=false", *every, *SAVE_VARIANTS[variant],
+            "+callbacks.clock._target_=bench_clock.StepClock",
+            f"+callbacks.clock.path={out / 'step_ends.json'}", f"hydra.run.dir={out}"]
+
+
+SAVE_EVERY, SAVE_STEPS = 2, 7
+SAVED_AT = list(range(SAVE_EVERY, SAVE_STEPS, SAVE_EVERY))  # the last step saves at the end
+
+
+# A callback that the save case's runs load from the bench's temp dir: the loop's own clock
+# at the end of each optimizer step. (TensorBoard's event times are stamped by the logger's
+# writer thread, which a save in the loop's thread delays.)
+_STEP_CLOCK = """
+import json, time
+from ddpexp import Callback
+
+class StepClock(Callback):
+    def __init__(self, path):
+        self.path, self.ends = path, []
+
+    def on_train_batch_end(self, trainer):
+        self.ends.append(time.perf_counter())
+
+    def on_fit_end(self, trainer, result):
+        with open(self.path, "w") as f:
+            json.dump(self.ends, f)
+"""
+
+
+def _step_ends(out: Path) -> list[float]:
+    """The loop's clock at the end of each optimizer step (the StepClock callback's)."""
+    return json.loads((out / "step_ends.json").read_text())
+
+
+def _stops(ends: list[float]) -> list[float]:
+    """The seconds each mid-run save stopped the loop, read inside one run: the interval
+    from the end of its step to the end of the next, minus the median interval between
+    steps that follow no save (robust to a load that drifts between runs)."""
+    # ends[i] is the end of step i + 1; intervals[s] is the time from step s - 1 to step s.
+    intervals = {s: ends[s - 1] - ends[s - 2] for s in range(2, len(ends) + 1)}
+    plain = statistics.median(v for s, v in intervals.items() if s - 1 not in SAVED_AT)
+    return [intervals[s + 1] - plain for s in SAVED_AT]
+
+
+def save_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str:
+    """The loop's stall at a save, in the loop (``async_save=false``) and in the background
+    (``true``): the loop time (end of step 1 to end of the last step) of a run that saves
+    mid-run minus that of the same run without, per save; and the stop read inside each
+    run (:func:`_stops`). Peak RSS over the run without saves is what the saves cost in
+    memory (for the background one, its snapshot). Alternates the order; a markdown table
+    of medians and the target's verdict (the async stall under 20% of the sync one)."""
+    figures: dict[str, list[dict]] = {name: [] for name in SAVE_VARIANTS}
+    with tempfile.TemporaryDirectory(prefix="ddpexp-bench-save-") as tmp:
+        text = Path(tmp) / "text.txt"
+        text.write_text((ROOT / "README.md").read_text())
+        (Path(tmp) / "bench_clock.py").write_text(_STEP_CLOCK)
+        env = {**env, "PYTHONPATH": os.pathsep.join([tmp, env.get("PYTHONPATH", "")])}
+        for r in range(repeats):
+            names = list(SAVE_VARIANTS)
+            for name in names[r % 3:] + names[:r % 3]:
+                out = Path(tmp) / f"{name}-{r}"
+                _, wall, rss = run_command(save_args(quick, name, text, out), Path(tmp), env, timeout)
+                ends = _step_ends(out)
+                size = (out / "checkpoints" / "last.pt").stat().st_size
+                stops = _stops(ends) if name != "none" else []
+                figures[name].append({"loop_s": ends[-1] - ends[0], "wall_s": wall, "rss_mib": rss,
+                                      "ckpt_mib": size / 2**20, "stops": stops})
+                shutil.rmtree(out / "checkpoints")  # some GB each at full size
+                print(f"[{r + 1}/{repeats}] save-case {name:5s} loop {ends[-1] - ends[0]:6.2f}s "
+                      f"wall {wall:6.1f}s  max RSS {rss:.0f}MiB  last.pt {size / 2**20:.0f}MiB  "
+                      f"stops {' '.join(f'{x:.2f}' for x in stops)}  "
+                      f"load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+
+    def med(name: str, key: str) -> float:
+        return statistics.median(f[key] for f in figures[name])
+
+    base_loop, base_rss = med("none", "loop_s"), med("none", "rss_mib")
+    saves = len(SAVED_AT)
+    stall = {name: statistics.median((f["loop_s"] - b["loop_s"]) / saves for f, b in
+                                     zip(figures[name], figures["none"], strict=True))
+             for name in ("sync", "async")}
+    stop = {name: statistics.median(x for f in figures[name] for x in f["stops"])
+            for name in ("sync", "async")}
+    lines = [f"GPT ({'2 x 64' if quick else '12 x 1024, about 151M parameters'}), AdamW, one "
+             f"process on the CPU, {SAVE_STEPS} steps of 2 x 32 tokens, last.pt "
+             f"{med('sync', 'ckpt_mib'):.0f} MiB saved at steps "
+             f"{', '.join(map(str, SAVED_AT))}; medians of {repeats} round(s), load average "
+             f"{os.getloadavg()[0]:.1f} at the end", "",
+             "| trainer.async_save | loop s | stall per save s (loop - no-save loop) "
+             "| stop at a save s (in-run) | peak RSS MiB | RSS over no saves MiB |",
+             "|---|---|---|---|---|---|",
+             f"| (no saves mid-run) | {base_loop:.2f} | | | {base_rss:.0f} | |"]
+    for name in ("sync", "async"):
+        lines.append(f"| {str(name == 'async').lower()} | {med(name, 'loop_s'):.2f} | "
+                     f"{stall[name]:.2f} | {stop[name]:.2f} | {med(name, 'rss_mib'):.0f} | "
+                     f"{med(name, 'rss_mib') - base_rss:.0f} |")
+
+    def verdict(a: float, b: float) -> str:
+        if b <= 0:  # the saves in the loop cost less than the noise: nothing to compare
+            return f"not measurable (sync {b:.2f} s)"
+        ratio = max(a, 0.0) / b
+        return f"{ratio:.2f} (target < 0.2: {'met' if ratio < 0.2 else 'MISSED'})"
+
+    lines += ["", f"async / sync stall per save: {verdict(stall['async'], stall['sync'])}; "
+              f"async / sync stop at a save: {verdict(stop['async'], stop['sync'])}"]
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------- main
 def make_cases(quick: bool, only: list[str] | None) -> list[Case]:
     if quick:
@@ -795,7 +924,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "only when named; with --gpu: gpu-fp32 gpu-bf16 gpu-dp gpu-fsdp gpu-compile; fsdp: "
                         "the memory case, loggers: a tracker's cost per step, launchers: an 8-job "
                         "sweep under ddpexp's and Hydra's launchers, gaps: the search's slot "
-                        "gaps over 8 and 32 trials, each only when named)")
+                        "gaps over 8 and 32 trials, save: the loop's stall at a checkpoint with "
+                        "trainer.async_save on and off, each only when named)")
     p.add_argument("--peers", action="store_true",
                    help="add Lightning (scripts/lightning_ddp.py) where it is installed")
     p.add_argument("--gpu", action="store_true", help="the GPU cases instead of the CPU ones")
@@ -813,7 +943,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     repeats = args.repeats or (1 if args.quick or args.dry_run else 3)
     skipped: list[str] = []
-    with_search = with_fsdp = with_loggers = with_launchers = with_gaps = False
+    with_search = with_fsdp = with_loggers = with_launchers = with_gaps = with_save = False
     if args.gpu:
         cases, skipped = gpu_cases(args.dry_run, args.cases)
         if not args.dry_run:
@@ -828,7 +958,9 @@ def main(argv: list[str] | None = None) -> None:
         with_loggers = LOGGERS in (args.cases or [])
         with_launchers = LAUNCHERS in (args.cases or [])
         with_gaps = GAPS in (args.cases or [])
-        others = [c for c in args.cases or [] if c not in (SEARCH, FSDP, LOGGERS, LAUNCHERS, GAPS)]
+        with_save = SAVE in (args.cases or [])
+        others = [c for c in args.cases or []
+                  if c not in (SEARCH, FSDP, LOGGERS, LAUNCHERS, GAPS, SAVE)]
         cases = make_cases(args.quick, others or None) if others or not args.cases else []
     peers = args.peers and lightning_installed()
     if args.peers and not peers:
@@ -876,6 +1008,9 @@ def main(argv: list[str] | None = None) -> None:
     if with_gaps:
         print()
         print(gaps_bench(args.quick, repeats, env, args.timeout))
+    if with_save:
+        print()
+        print(save_bench(args.quick, repeats, env, args.timeout))
     if args.json:
         Path(args.json).write_text(json.dumps(
             {f"{c}/{r}": [vars(x) for x in runs] for (c, r), runs in res.runs.items()}, indent=2))

@@ -76,10 +76,13 @@ def _check(res, run, last, before) -> None:
     assert not [p for p in last.parent.iterdir() if ".tmp-" in p.name]
 
 
-def test_a_full_disk_under_one_worker(tmp_path, small_disk):
+@pytest.mark.parametrize("async_save", ["true", "false"])
+def test_a_full_disk_under_one_worker(tmp_path, small_disk, async_save):
+    """Written in the background (``trainer.async_save=true``) the failed save is reported
+    as in the loop: once, as the run's failure."""
     run, last, before = _a_run_then_a_full_disk(tmp_path, small_disk)
-    res = run_cli_in_process([*ARGS, "trainer.max_epochs=3", f"resume={run}"], tmp_path,
-                             expect_ok=False)
+    res = run_cli_in_process([*ARGS, "trainer.max_epochs=3", f"trainer.async_save={async_save}",
+                              f"resume={run}"], tmp_path, expect_ok=False)
     _check(res, run, last, before)
 
 

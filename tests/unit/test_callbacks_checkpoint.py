@@ -21,6 +21,7 @@ def test_every_n_steps_saves_mid_epoch(trainer_factory):
     class Watch(ModelCheckpoint):
         def save(self, trainer, best=False, ranked=None):
             super().save(trainer, best, ranked)
+            trainer.wait_for_saves()  # written in the background (trainer.async_save)
             saved = torch.load(self.dirpath / "last.pt", weights_only=True)
             steps.append((saved["step"], saved["epoch"], saved["batch"]))
 

@@ -148,8 +148,10 @@ class TrainerView(Protocol):
         """Whether every weight is finite (else the run counts as diverged)."""
         ...
 
-    def save_checkpoint(self, last: Path, copies: Sequence[Path] = ()) -> None:
-        """Write the checkpoint as of now to ``last`` and copy it to ``copies``."""
+    def save_checkpoint(self, last: Path, copies: Sequence[Path] = (),
+                        then: Callable[[], None] | None = None) -> None:
+        """Write the checkpoint as of now to ``last`` and copy it to ``copies``, then call
+        ``then`` (perhaps later: ``trainer.async_save`` writes in the background)."""
         ...
 
 
@@ -170,7 +172,7 @@ class Callback:
       ``log_metrics(dict, step=None)``, ``request_stop(reason, status="stopped")``;
     - for callbacks that save or agree, called on every rank at the same point:
       ``agree()``, ``diverged``, ``leaving_epoch()``, ``weights_finite()``,
-      ``save_checkpoint(last, copies)``.
+      ``save_checkpoint(last, copies, then=None)``.
 
     Events fire in the order of :data:`EVENTS`; callbacks by ascending :attr:`order`, then
     by name.

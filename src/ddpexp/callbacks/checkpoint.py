@@ -18,7 +18,7 @@ path from it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -100,17 +100,27 @@ class ModelCheckpoint(Callback):
         """Every rank contributes its state; rank 0 writes last.pt (under fsdp every rank its
         shards of it), and best.pt and the top-k file of a validation ``ranked`` = (value,
         epoch) that makes the top k. Files that fell out of the top k are deleted, by rank 0,
-        only once the new checkpoint is on disk."""
+        only once the new checkpoint is on disk (under ``trainer.async_save``, by the
+        writer's thread once its write ends)."""
         if not trainer.weights_finite():
             return
         entry, dropped = None, []
         if self.top_k is not None and ranked is not None:
             entry, dropped = self.top_k.offer(*ranked)  # before the state, which holds it
         copies = ([self.best_model_path] if best else []) + ([self.dirpath / entry] if entry else [])
-        trainer.save_checkpoint(self.last_model_path, copies)
-        if trainer.is_main:
-            for name in dropped:
-                ckpt_io.remove(self.dirpath / name)  # and its digest
+        # The files that fell out go once the new one is on disk, which under
+        # trainer.async_save is after this returns.
+        drop = self._remover(dropped) if dropped and trainer.is_main else None
+        trainer.save_checkpoint(self.last_model_path, copies, then=drop)
+
+    def _remover(self, names: list[str]) -> Callable[[], None]:
+        paths = [self.dirpath / name for name in names]
+
+        def remove() -> None:
+            for path in paths:
+                ckpt_io.remove(path)  # and its digest
+
+        return remove
 
     def state_dict(self) -> dict:
         return {"top_k": self.top_k.state_dict() if self.top_k is not None else None}

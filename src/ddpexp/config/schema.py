@@ -86,6 +86,10 @@ class TrainerConfig:
     log_every_n_steps: int = 20
     # Also write last.pt every N optimizer steps mid-epoch.
     ckpt_every_steps: int | None = None
+    # Copy each checkpoint to host memory at its step and write it in a background thread
+    # (one at a time) while training goes on; None = where the copy fits in half the memory
+    # available, true = always, false = write in the loop. strategy=fsdp writes in the loop.
+    async_save: bool | None = None
     # Any val/<name> the task returns; None = the task's own default (its class attributes).
     monitor: str | None = None
     # max | min; None = the task's own default.

@@ -43,6 +43,9 @@ class Strategy(ABC):
     #: Whether each rank holds only shards of the model's state: every rank then takes part
     #: in writing a checkpoint, and ``last`` is a sharded directory rather than one file.
     sharded: ClassVar[bool] = False
+    #: Whether :meth:`save` runs no collective, so that ``trainer.async_save`` may run it in
+    #: a background thread while the loop goes on (False: every save stays in the loop).
+    background_save: ClassVar[bool] = True
     #: Whether the model's parameters may be laid out channels_last (``trainer.channels_last``).
     channels_last: ClassVar[bool] = True
 

@@ -36,6 +36,9 @@ class FSDP(DDP):
 
     name = "fsdp"
     sharded = True
+    # Every rank writes its shards, and gathering best.pt's weights is a collective: the
+    # save stays in the loop (trainer.async_save applies to one-file checkpoints).
+    background_save = False
     # FSDP2 shards only contiguous parameters (channels_last ones are not).
     channels_last = False
 

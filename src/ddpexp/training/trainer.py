@@ -35,6 +35,7 @@ from ddpexp import provenance, strategies
 from ddpexp.callbacks.base import Callback, Dispatch
 from ddpexp.callbacks.checkpoint import ModelCheckpoint
 from ddpexp.callbacks.state import Best, RunState
+from ddpexp.checkpoint.background import Saver
 from ddpexp.config.resume import shown
 from ddpexp.config.schema import TrainerConfig, trainer_config
 from ddpexp.config.spec import RunSpec
@@ -108,6 +109,11 @@ class Trainer:
             # cuBLAS is deterministic only with a fixed workspace, chosen before its first use.
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         self.strategy = strategies.for_config(cfg, ctx)
+        # trainer.async_save: checkpoints written by a background thread, one at a time.
+        self.saver = Saver(cfg.async_save, self.strategy.background_save)
+        if not self.strategy.background_save and cfg.async_save is not False and ctx.is_main:
+            log.info("trainer.async_save: strategy=%s writes its checkpoints in the loop",
+                     self.strategy.label())
         built = loaders.build(cfg, ctx, data, datasets, seed, self.strategy)
         self.train_sampler, self.train_loader = built.train_sampler, built.train_loader
         self.batches_per_epoch, self.rank_train_samples = built.batches_per_epoch, built.rank_train_samples
@@ -243,15 +249,25 @@ class Trainer:
         self.divergence.note(self.step, self.epoch)
         return False
 
-    def save_checkpoint(self, last: Path, copies: Sequence[Path] = ()) -> None:
+    def save_checkpoint(self, last: Path, copies: Sequence[Path] = (),
+                        then: Callable[[], None] | None = None) -> None:
         """Write the checkpoint as of now (:mod:`ddpexp.training.checkpoint_state`) to ``last`` and
-        copy it to each of ``copies`` (best.pt, a top-k file): global rank 0 writes, or under
-        fsdp every rank its shards of ``last``. Every rank must call it (it gathers each
-        rank's random state)."""
+        copy it to each of ``copies`` (best.pt, a top-k file), then call ``then``: global
+        rank 0 writes, or under fsdp every rank its shards of ``last``. Every rank must call
+        it (it gathers each rank's random state). Under ``trainer.async_save`` the state is
+        copied here and written in the background (:mod:`ddpexp.checkpoint.background`);
+        the previous save is waited for first, and a failure of it raised."""
         self.beat.mark(CHECKPOINT, self.step)
+        self.saver.wait()
         checkpoint = schema.gather(self)
         self.state.last_saved_step = self.step
-        self.strategy.save(checkpoint, last, list(copies))
+        copies = list(copies)
+        self.saver.save(lambda state: self.strategy.save(state, last, copies), checkpoint, then)
+
+    def wait_for_saves(self) -> None:
+        """Return once the checkpoint being written in the background (if any) is on disk;
+        raise its failure."""
+        self.saver.wait()
 
     # ------------------------------------------------------------------ building
     def eval_loader(self, dataset: Dataset):
@@ -323,13 +339,17 @@ class Trainer:
                 self.callbacks.fire("on_fit_start", self)
                 with self.agreement.signal:
                     self._loop()
+                self.wait_for_saves()  # the run ends, and tests best.pt, once it is on disk
                 if self.status == "running":
                     self.state.status = "completed"
                 if self.t.test and self.status in FINISHED:
                     self._test()  # still watched: the test of best.pt runs collectives too
         except BaseException as exc:
             self.callbacks.fire("on_exception", self, exc)
+            cause = self._settle_saves(exc)
             self.loggers.finalize("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
+            if cause is not None:
+                raise cause from None
             raise
         result = self._result()
         self.callbacks.fire("on_fit_end", self, result)
@@ -404,6 +424,7 @@ class Trainer:
             log_now = (self.step + 1) % self.t.log_every_n_steps == 0
             self._optimizer_step(log_now)
             self.state.step += 1
+            self.saver.poll()  # a background save that failed fails the run here
             if self._first_step_pending:
                 self._log_first_step()
             if log_now:
@@ -574,12 +595,14 @@ class Trainer:
 
     def _test(self) -> None:
         """``test/<name>`` of ``best.pt`` (:func:`ddpexp.training.evaluation.evaluate_best`)."""
+        self.wait_for_saves()
         result = evaluation.evaluate_best(self)
         if result is not None:
             self.test_metrics = {**result["metrics"], "epoch": result["epoch"]}
 
     def evaluate_checkpoint(self, path: Path, split: str = "test") -> dict | None:
         """See :func:`ddpexp.training.evaluation.evaluate_checkpoint`; every rank must call it."""
+        self.wait_for_saves()
         return evaluation.evaluate_checkpoint(self, path, split)
 
     def _sync_buffers(self) -> None:
@@ -621,11 +644,26 @@ class Trainer:
         if self.ctx.is_main:
             write_metrics(self.run_dir, self._result())
 
+    def _settle_saves(self, exc: BaseException) -> BaseException | None:
+        """On the way out of a failed run: let the background save finish (its file is then
+        whole, not cut off by the process's exit). Returns its failure where that is the
+        one to report instead of ``exc``: both are OS errors, as when the checkpoint's write
+        filled the disk and the next small write (metrics.json) met it full. Else its failure
+        is logged and ``exc`` is the run's."""
+        try:
+            self.wait_for_saves()
+        except Exception as failed:
+            if isinstance(exc, OSError) and isinstance(failed, OSError):
+                return failed
+            log.error("the checkpoint written in the background failed too: %s", failed)
+        return None
+
     def _interrupt(self) -> None:
         """Stop on a signal: the callbacks learn of it on every rank (the checkpoint callback
         saves where the run is, unless it just did), and the run is interrupted."""
         name = self.agreement.signal.name
         self.callbacks.fire("on_exception", self, Interrupted(name))
+        self.wait_for_saves()  # "checkpoint saved" below is then true
         self.state.status = "interrupted"
         if self.ctx.is_main:
             log.warning("%s: stopped at epoch %d, step %d; checkpoint saved",

@@ -1,0 +1,195 @@
+"""``trainer.async_save``: a checkpoint copied to host memory at its step and written by a
+background thread while training goes on.
+
+The copy (:func:`snapshot`) is taken of every tensor's storage, so that what is written is
+the state of the save step even though the loop then steps the very tensors it was read
+from (a CPU run's optimizer mutates them in place; Lightning's thread-based async save was
+reported to write state that had moved on). Storages shared by several tensors (tied
+weights) stay shared in the copy, as ``torch.save`` keeps them, so the file holds the same
+tensors a synchronous save of that step would.
+
+At most one save is in flight (:meth:`Saver.save` waits for the previous one), so the
+copies never cost more than one checkpoint's bytes of host memory. The write itself is the
+synchronous one (:func:`ddpexp.checkpoint.io.save_atomic`: temporary file, fsync, rename),
+so a process killed during it leaves the previous checkpoint whole. A write that failed is
+raised once, in the loop's thread, at the next :meth:`Saver.poll` (each step) or
+:meth:`Saver.wait` (the next save, the end of the run, a test of best.pt).
+
+``trainer.async_save=null`` (the default) writes in the background where the copy fits in
+the memory the system has available (half of ``MemAvailable``), else in the loop with one
+warning; ``true`` always in the background, ``false`` never.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+log = logging.getLogger("ddpexp")
+
+# The share of the host's available memory that a snapshot may take under the default:
+# the rest is left to the loop, the data loaders and the page cache the write goes through.
+_AVAILABLE_SHARE = 0.5
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors(value)
+
+
+def state_bytes(obj: Any) -> int:
+    """The bytes of the distinct tensor storages in ``obj`` (what :func:`snapshot` copies)."""
+    seen: dict[tuple[str, int], int] = {}
+    for t in _tensors(obj):
+        storage = t.untyped_storage()
+        seen[(str(t.device), storage.data_ptr())] = storage.nbytes()
+    return sum(seen.values())
+
+
+def available_memory() -> int | None:
+    """The bytes of memory the system can give without swapping (``MemAvailable`` of
+    /proc/meminfo), or None where that is not known."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def snapshot(obj: Any) -> Any:
+    """A copy of ``obj`` (dicts, lists, tuples, tensors and plain values) in host memory
+    that nothing else refers to: every tensor's storage copied once (a CPU one cloned, a
+    CUDA one copied to the host without blocking, then waited for), plain values deep-copied.
+    """
+    storages: dict[tuple[str, int], torch.UntypedStorage] = {}
+    cuda = False
+
+    def copy_storage(t: torch.Tensor) -> torch.UntypedStorage:
+        nonlocal cuda
+        storage = t.untyped_storage()
+        key = (str(t.device), storage.data_ptr())
+        if key not in storages:
+            raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+            if t.device.type == "cpu":
+                storages[key] = raw.clone().untyped_storage()
+            else:  # a CUDA copy overlaps the others and is waited for once, below
+                cuda = cuda or t.device.type == "cuda"
+                blocking = t.device.type != "cuda"
+                storages[key] = raw.to("cpu", non_blocking=not blocking).untyped_storage()
+        return storages[key]
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            dense = value.layout == torch.strided and type(value) in (torch.Tensor, torch.nn.Parameter)
+            if not dense:
+                return value.detach().to("cpu", copy=True)  # sparse, a subclass: a plain copy
+            out = torch.empty(0, dtype=value.dtype)
+            out.set_(copy_storage(value), value.storage_offset(), value.size(), value.stride())
+            return out
+        if isinstance(value, dict):  # a state_dict's OrderedDict stays one: the same pickle
+            items = [(k, walk(v)) for k, v in value.items()]
+            return OrderedDict(items) if isinstance(value, OrderedDict) else dict(items)
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        if isinstance(value, tuple):
+            return tuple(walk(v) for v in value)
+        return copy.deepcopy(value)
+
+    out = walk(obj)
+    if cuda:
+        torch.cuda.synchronize()  # the non-blocking copies have landed
+    return out
+
+
+class Saver:
+    """Writes checkpoints in the background, one at a time, or in the loop (``mode``: the
+    value of ``trainer.async_save``; ``capable`` False for a strategy whose write takes part
+    in collectives, which must stay in the loop's thread)."""
+
+    def __init__(self, mode: bool | None, capable: bool = True):
+        self.mode, self.capable = mode, capable
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._warned = False
+        #: A hook for tests and measurements: called in the writer's thread before it writes.
+        self.before_write: Callable[[], None] | None = None
+
+    @property
+    def busy(self) -> bool:
+        """Whether a background write is in flight."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def save(self, write: Callable[[Any], None], state: Any,
+             then: Callable[[], None] | None = None) -> None:
+        """Write ``state`` with ``write(state)``, then call ``then`` (files to delete once the
+        new one is on disk). In the background: ``state`` is copied first (:func:`snapshot`)
+        and this returns before the write ends. Waits for the previous save, raising its
+        failure."""
+        self.wait()
+        if state is None or not self._in_background(state):
+            write(state)
+            if then is not None:
+                then()
+            return
+        copied = snapshot(state)
+        self._thread = threading.Thread(target=self._run, args=(write, copied, then),
+                                        name="ddpexp-checkpoint-writer")
+        self._thread.start()
+
+    def _in_background(self, state: Any) -> bool:
+        if not self.capable or self.mode is False:
+            return False
+        if self.mode is True:
+            return True
+        need, free = state_bytes(state), available_memory()
+        if free is None or need <= free * _AVAILABLE_SHARE:
+            return True
+        if not self._warned:
+            self._warned = True
+            log.warning("trainer.async_save: the checkpoint's %.0f MiB do not fit in half of the "
+                        "%.0f MiB of memory available, so it is written in the loop; "
+                        "trainer.async_save=true forces the background write",
+                        need / 2**20, free / 2**20)
+        return False
+
+    def _run(self, write: Callable[[Any], None], state: Any, then: Callable[[], None] | None) -> None:
+        try:
+            if self.before_write is not None:
+                self.before_write()
+            write(state)
+            if then is not None:
+                then()
+        except BaseException as exc:  # raised in the loop's thread by poll() or wait()
+            self._error = exc
+
+    def poll(self) -> None:
+        """Raise the failure of a background write that has ended (once); never waits."""
+        if self._thread is not None and not self._thread.is_alive():
+            self._finish()
+
+    def wait(self) -> None:
+        """Wait for the save in flight, if any; raise its failure (once)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._finish()
+
+    def _finish(self) -> None:
+        self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error

@@ -1,0 +1,220 @@
+"""``trainer.async_save`` (checkpoint/background.py): the snapshot, and a trainer built in
+this process whose checkpoints are written by the background thread while it trains on."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from helpers import assert_same_tensors
+
+from ddpexp import Callback
+from ddpexp.callbacks import ModelCheckpoint
+from ddpexp.checkpoint import background
+from ddpexp.checkpoint import io as ckpt_io
+
+
+def _bytes(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def test_the_snapshot_is_a_copy_that_keeps_shared_storages():
+    weight = torch.arange(12.0).reshape(3, 4)
+    state = {"model": {"a": weight, "tied": weight.detach(), "row": weight[1]},
+             "optimizer": {"state": {0: {"step": torch.tensor(3.0)}}, "groups": [{"lr": 0.1}]},
+             "history": [{"epoch": 0}], "name": "x"}
+    before = _bytes(state)
+    copy = background.snapshot(state)
+    weight.mul_(-1)  # the loop steps the live tensors in place
+    state["history"].append({"epoch": 1})
+    state["optimizer"]["groups"][0]["lr"] = 0.2
+    assert _bytes(copy) == before  # what a save at the snapshot's moment writes
+    model = copy["model"]
+    assert model["a"].untyped_storage().data_ptr() == model["tied"].untyped_storage().data_ptr()
+    assert model["row"].untyped_storage().data_ptr() == model["a"].untyped_storage().data_ptr()
+    assert background.state_bytes(state) == 12 * 4 + 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_snapshot_of_cuda_tensors_lands_on_the_host_before_it_returns():
+    live = torch.randn(1 << 22, device="cuda")
+    state = {"w": live, "view": live[:10], "step": torch.tensor(1.0)}
+    want = live.cpu()
+    copy = background.snapshot(state)
+    live.zero_()  # queued after the copies: they must have landed already
+    torch.cuda.synchronize()
+    assert copy["w"].device.type == "cpu" and torch.equal(copy["w"], want)
+    assert torch.equal(copy["view"], want[:10])
+
+
+class SaveTwiceThenStep(Callback):
+    """At step ``at``: a save in the loop, then the same step's save in the background, whose
+    writer is held until the loop has taken ``more`` further steps."""
+
+    def __init__(self, at: int = 2, more: int = 2):
+        self.at, self.more = at, more
+        self.release = threading.Event()
+        self.busy_while_training: list[bool] = []
+
+    def setup(self, trainer) -> None:
+        trainer.saver.before_write = lambda: self.release.wait(timeout=60)
+
+    def on_train_batch_end(self, trainer) -> None:
+        if trainer.step == self.at:
+            out = trainer.run_dir / "checkpoints"
+            trainer.saver.mode = False
+            trainer.save_checkpoint(out / "sync.pt")
+            trainer.saver.mode = True
+            trainer.save_checkpoint(out / "async.pt")
+            self.saved = {k: v.clone() for k, v in trainer.module.state_dict().items()}
+        elif trainer.step > self.at:
+            self.busy_while_training.append(trainer.saver.busy)
+            if trainer.step == self.at + self.more:
+                self.moved = any(not torch.equal(v, self.saved[k])
+                                 for k, v in trainer.module.state_dict().items())
+                self.release.set()
+
+
+def test_a_background_save_equals_the_save_in_the_loop_while_training_moves_on(trainer_factory):
+    probe = SaveTwiceThenStep()
+    t = trainer_factory(callbacks={"probe": probe}, samples=(48, 16, 0), async_save=True)
+    t.fit()
+    assert probe.busy_while_training[:2] == [True, True]  # written while the loop stepped
+    assert probe.moved  # the weights it was copied from changed in place meanwhile
+    out = t.run_dir / "checkpoints"
+    sync = torch.load(out / "sync.pt", weights_only=True)
+    written = torch.load(out / "async.pt", weights_only=True)
+    assert written["step"] == 2
+    assert_same_tensors(written, sync, "checkpoint")
+    ckpt_io.check_digest(out / "async.pt")
+
+
+class Slow(Callback):
+    """Holds every background write for ``hold_s``; records what the run's end saw."""
+
+    def __init__(self, hold_s: float = 0.5):
+        self.hold_s = hold_s
+
+    def setup(self, trainer) -> None:
+        trainer.saver.before_write = lambda: time.sleep(self.hold_s)
+
+    def on_fit_end(self, trainer, result) -> None:
+        self.busy_at_end = trainer.saver.busy
+        self.last_step = torch.load(trainer.run_dir / "checkpoints" / "last.pt",
+                                    weights_only=True)["step"]
+
+
+def test_a_run_ends_tests_and_resumes_only_after_its_last_save(trainer_factory):
+    """One epoch: its only best.pt is written in the background, held for half a second;
+    the test of best.pt after training reads it whole, the end of the run sees last.pt of
+    its last step, and a resume continues from there."""
+    slow = Slow()
+    t = trainer_factory(callbacks={"checkpoint": ModelCheckpoint(), "slow": slow},
+                        async_save=True)
+    result = t.fit()
+    assert result["test"]["epoch"] == 0 and "test/acc" in result["test"]
+    assert slow.busy_at_end is False and slow.last_step == t.step == 4
+    assert not [p for p in (t.run_dir / "checkpoints").iterdir() if ".tmp-" in p.name]
+    again = trainer_factory(t.run_dir.name, callbacks={"checkpoint": ModelCheckpoint(),
+                                                       "slow": Slow()},
+                            async_save=True, max_epochs=2)
+    again.fit(resume_from=t.run_dir / "checkpoints" / "last.pt")
+    assert again.step == 8
+    assert torch.load(t.run_dir / "checkpoints" / "last.pt", weights_only=True)["step"] == 8
+
+
+class Terminate(Callback):
+    """Sends this process SIGTERM at step ``at``, as a scheduler's preemption does."""
+
+    def __init__(self, at: int = 3):
+        self.at = at
+
+    def on_train_batch_end(self, trainer) -> None:
+        if trainer.step == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_sigterm_ends_the_run_once_its_checkpoint_is_written(trainer_factory, caplog):
+    """Saves every 2 steps, each write held for half a second: SIGTERM at step 3 comes while
+    the save of step 2 is in flight; the stop's own save waits for it, and the run returns
+    (interrupted, "checkpoint saved" logged) only once last.pt holds step 3."""
+    t = trainer_factory(callbacks={"checkpoint": ModelCheckpoint(every_n_steps=2),
+                                   "slow": Slow(), "term": Terminate()},
+                        samples=(64, 16, 0), async_save=True)
+    with caplog.at_level(logging.WARNING, logger="ddpexp"):
+        result = t.fit()
+    assert result["status"] == "interrupted" and t.step == 3
+    assert not t.saver.busy
+    assert torch.load(t.run_dir / "checkpoints" / "last.pt", weights_only=True)["step"] == 3
+    assert any("checkpoint saved" in r.getMessage() for r in caplog.records)
+
+
+class WaitForTheWriter(Callback):
+    """At the step after ``at``, lets the background write end before the loop goes on, so
+    that the step where its failure is raised is known."""
+
+    def __init__(self, at: int = 2):
+        self.at = at
+        self.steps: list[int] = []
+
+    def on_before_optimizer_step(self, trainer) -> None:
+        if trainer.step == self.at:  # the step after the save at step `at` is being taken
+            while trainer.saver.busy:
+                time.sleep(0.01)
+
+    def on_train_batch_end(self, trainer) -> None:
+        self.steps.append(trainer.step)
+
+
+def test_a_failed_background_save_fails_the_run_at_the_next_step_once(trainer_factory):
+    t = trainer_factory(callbacks={"checkpoint": ModelCheckpoint(every_n_steps=2),
+                                   "wait": (wait := WaitForTheWriter())},
+                        samples=(64, 16, 0), async_save=True)
+    (t.run_dir / "checkpoints").write_text("a file where the checkpoints dir should be")
+    with pytest.raises(FileExistsError):
+        t.fit()
+    assert wait.steps == [1, 2]  # raised at step 3, before its callbacks
+    assert t.step == 3 and not t.saver.busy
+    t.wait_for_saves()  # reported once: nothing is raised again
+
+
+def test_the_default_writes_in_the_loop_where_the_copy_does_not_fit(trainer_factory, caplog,
+                                                                   monkeypatch):
+    monkeypatch.setattr(background, "_AVAILABLE_SHARE", 1e-12)  # no state fits
+    t = trainer_factory(callbacks={"checkpoint": ModelCheckpoint(every_n_steps=1)},
+                        samples=(24, 16, 0))
+    with caplog.at_level(logging.WARNING, logger="ddpexp"):
+        t.fit()
+    warned = [r for r in caplog.records if "trainer.async_save" in r.getMessage()]
+    assert len(warned) == 1 and "written in the loop" in warned[0].getMessage()
+    assert t.saver._thread is None  # nothing was written in the background
+
+
+def test_async_save_false_never_starts_a_thread(trainer_factory):
+    t = trainer_factory(callbacks={"checkpoint": ModelCheckpoint(every_n_steps=1)},
+                        samples=(24, 16, 0), async_save=False)
+    started: list[str] = []
+    t.saver.before_write = lambda: started.append("thread")
+    t.fit()
+    assert started == [] and (t.run_dir / "checkpoints" / "last.pt").is_file()
+
+
+def test_a_strategy_whose_save_is_collective_writes_in_the_loop():
+    """fsdp's shards are written by every rank together: its saves stay in the loop's
+    thread even where ``trainer.async_save=true``."""
+    from ddpexp.strategies.fsdp import FSDP
+
+    assert FSDP.background_save is False
+    saver = background.Saver(True, capable=FSDP.background_save)
+    threads: list[str] = []
+    saver.save(lambda state: threads.append(threading.current_thread().name), {"w": torch.ones(2)})
+    assert threads == [threading.main_thread().name] and not saver.busy
