@@ -46,6 +46,7 @@ sweeper in batches of ``max_parallel`` (how a batch sweeper such as hydra-optuna
     python scripts/bench.py --cases loggers # logger=tensorboard vs [tensorboard,mlflow], [..,wandb]
     python scripts/bench.py --cases launchers  # an 8-job sweep: ddp launcher vs Hydra's basic, joblib
     python scripts/bench.py --cases gaps       # the search's slot gaps over 8 and 32 trials
+    python scripts/bench.py --cases scale      # per-job cost of 8-, 32- and 64-job sweeps
 """
 
 from __future__ import annotations
@@ -541,6 +542,78 @@ def gaps_bench(quick: bool, repeats: int, env: dict, timeout: float, slots: int 
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------- the scale case
+SCALE = "scale"
+
+
+def _own_peak_mib(pid: int) -> float | None:
+    """The peak resident memory of process ``pid`` itself (``VmHWM``), None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def scale_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str:
+    """How the launcher's cost grows with the sweep: sweeps of 8, 32 and 64 tiny jobs (one
+    epoch of digits in batches of 256, one worker each, ``max_parallel: null``): each job's
+    overhead (its wall minus its training, as its summary row says), the gap from a job's end
+    to the next job's start (the launcher's bookkeeping: the table rewrite, the next compose
+    and fork), and the launcher process's own peak memory (its ``VmHWM``, read as it runs)."""
+    sizes = [2, 4] if quick else [8, 32, 64]
+    rows: dict[int, dict[str, list[float]]] = {n: {"over": [], "gap": [], "peak": []} for n in sizes}
+    with tempfile.TemporaryDirectory(prefix="ddpexp-bench-scale-") as tmp:
+        for r in range(repeats):
+            for n in sizes if r % 2 == 0 else sizes[::-1]:
+                out = Path(tmp) / f"{n}-{r}"
+                cmd = [sys.executable, "-m", "ddpexp", "-m", f"seed=range(0,{n})",
+                       "data.batch_size=256", "trainer.max_epochs=1", "trainer.test=false",
+                       "trainer.progress_bar=false", f"hydra.sweep.dir={out}"]
+                with tempfile.TemporaryFile("w+") as log:
+                    proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=log,
+                                            stderr=subprocess.STDOUT, text=True,
+                                            start_new_session=True)
+                    peak, deadline = 0.0, time.monotonic() + timeout
+                    while proc.poll() is None:
+                        peak = max(peak, _own_peak_mib(proc.pid) or 0.0)
+                        if time.monotonic() > deadline:
+                            os.killpg(proc.pid, 9)
+                            proc.wait()
+                            raise SystemExit(f"timed out after {timeout}s: {' '.join(cmd)}")
+                        time.sleep(0.05)
+                    log.seek(0)
+                    output = log.read()
+                if proc.returncode != 0:
+                    raise SystemExit(f"exit {proc.returncode}: {' '.join(cmd)}\n{output}")
+                with open(out / "summary.csv", newline="") as f:
+                    over = [float(row["wall_time_s"]) - float(row["train_time_s"])
+                            for row in csv.DictReader(f)]
+                gaps = slot_gaps(output)
+                rows[n]["over"].append(statistics.median(over))
+                rows[n]["gap"].append(statistics.median(gaps) if gaps else float("nan"))
+                rows[n]["peak"].append(peak)
+                print(f"[{r + 1}/{repeats}] scale    {n:3d} jobs  overhead "
+                      f"{statistics.median(over):.2f} s  gap {_fmt(rows[n]['gap'][-1], 3)} s  "
+                      f"launcher peak {peak:.0f} MiB", file=sys.stderr, flush=True)
+    base = sizes[0]
+
+    def med(n: int, key: str) -> float:
+        return statistics.median(rows[n][key])
+
+    lines = [f"scale: sweeps of {', '.join(map(str, sizes))} tiny jobs, medians of {repeats} "
+             "run(s)", "", "| jobs | job overhead s | / smallest | end-to-next-start gap s "
+             "| launcher peak MiB | / smallest |", "|---|---|---|---|---|---|"]
+    for n in sizes:
+        lines.append(f"| {n} | {med(n, 'over'):.2f} | {med(n, 'over') / med(base, 'over'):.2f} "
+                     f"| {med(n, 'gap'):.3f} | {med(n, 'peak'):.0f} "
+                     f"| {med(n, 'peak') / med(base, 'peak'):.2f} |")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------- the launchers case
 LAUNCHERS = "launchers"
 # The sweep a researcher runs first: 8 jobs of one worker on the default digits data.
@@ -925,7 +998,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "the memory case, loggers: a tracker's cost per step, launchers: an 8-job "
                         "sweep under ddpexp's and Hydra's launchers, gaps: the search's slot "
                         "gaps over 8 and 32 trials, save: the loop's stall at a checkpoint with "
-                        "trainer.async_save on and off, each only when named)")
+                        "trainer.async_save on and off, scale: sweeps of 8, 32 and 64 tiny jobs, "
+                        "each only when named)")
     p.add_argument("--peers", action="store_true",
                    help="add Lightning (scripts/lightning_ddp.py) where it is installed")
     p.add_argument("--gpu", action="store_true", help="the GPU cases instead of the CPU ones")
@@ -943,7 +1017,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     repeats = args.repeats or (1 if args.quick or args.dry_run else 3)
     skipped: list[str] = []
-    with_search = with_fsdp = with_loggers = with_launchers = with_gaps = with_save = False
+    with_search = with_fsdp = with_loggers = with_launchers = False
+    with_gaps = with_save = with_scale = False
     if args.gpu:
         cases, skipped = gpu_cases(args.dry_run, args.cases)
         if not args.dry_run:
@@ -959,8 +1034,9 @@ def main(argv: list[str] | None = None) -> None:
         with_launchers = LAUNCHERS in (args.cases or [])
         with_gaps = GAPS in (args.cases or [])
         with_save = SAVE in (args.cases or [])
+        with_scale = SCALE in (args.cases or [])
         others = [c for c in args.cases or []
-                  if c not in (SEARCH, FSDP, LOGGERS, LAUNCHERS, GAPS, SAVE)]
+                  if c not in (SEARCH, FSDP, LOGGERS, LAUNCHERS, GAPS, SAVE, SCALE)]
         cases = make_cases(args.quick, others or None) if others or not args.cases else []
     peers = args.peers and lightning_installed()
     if args.peers and not peers:
@@ -1011,6 +1087,9 @@ def main(argv: list[str] | None = None) -> None:
     if with_save:
         print()
         print(save_bench(args.quick, repeats, env, args.timeout))
+    if with_scale:
+        print()
+        print(scale_bench(args.quick, repeats, env, args.timeout))
     if args.json:
         Path(args.json).write_text(json.dumps(
             {f"{c}/{r}": [vars(x) for x in runs] for (c, r), runs in res.runs.items()}, indent=2))
