@@ -1,0 +1,245 @@
+"""Sweeps on a real Ray cluster (``hydra/launcher=ray``): a head and a second node as two
+raylets of this machine (``ray.cluster_utils.Cluster``), shared by the tests of this module,
+every sweep a ``python -m ddpexp -m`` that connects to it by its address."""
+
+from __future__ import annotations
+
+import csv
+import re
+import signal
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from helpers import finish, read_metrics, run_cli, start_cli
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams import metadata
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster
+
+pytestmark = pytest.mark.slow
+
+TINY = ["data=synthetic", "data.num_samples=64", "data.val_samples=32", "data.shape=[1,8,8]",
+        "data.batch_size=16", "trainer.max_steps=2", "trainer.log_every_n_steps=1",
+        "trainer.test=false"]
+# Each raylet's object store: the least Ray accepts is 75 MiB.
+STORE = 80 * 1024 * 1024
+HEAD_CPUS, NODE_CPUS = 1, 2
+# A dead raylet is noticed after about 3 missed checks of 1 s.
+FAST_DEATH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 1000,
+              "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3}
+STAMP = r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]\[HYDRA\] \t"
+START = re.compile(STAMP + r"#(\d+) : .*\[Ray: (\d+) CPUs? on (.*?)(?:, attempt \d+)?\]$", re.M)
+END = re.compile(STAMP + r"#(\d+) ended \((.*?)\) after", re.M)
+NODE = re.compile(r"\(node ([0-9a-f]{8})\)")
+
+
+@dataclass
+class RayCluster:
+    cluster: Cluster
+    head: str  # node ids' first 8 hex digits, as the launcher's log names them
+    worker: str
+
+    @property
+    def address(self) -> str:
+        return str(self.cluster.address)
+
+    def sizes(self) -> dict[str, int]:
+        return {self.head: HEAD_CPUS, self.worker: NODE_CPUS}
+
+    def add_worker(self) -> None:
+        node = self.cluster.add_node(num_cpus=NODE_CPUS, object_store_memory=STORE)
+        self.cluster.wait_for_nodes()
+        self.worker = node.node_id[:8]
+
+    def kill_worker(self) -> None:
+        node = next(n for n in self.cluster.worker_nodes if n.node_id.startswith(self.worker))
+        self.cluster.remove_node(node, allow_graceful=False)
+
+
+def _cluster_pids(address: str) -> list[int]:
+    """Processes whose command line names the cluster's address (GCS, raylets, workers)."""
+    port = address.rsplit(":", 1)[1]
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if f":{port}" in cmd and "pytest" not in cmd:
+                pids.append(int(entry.name))
+    return pids
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head of 1 CPU and a node of 2 CPUs, as two raylets; nothing of it is left after."""
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": HEAD_CPUS, "object_store_memory": STORE, "include_dashboard": False,
+        "_system_config": FAST_DEATH})
+    try:
+        node = c.add_node(num_cpus=NODE_CPUS, object_store_memory=STORE)
+        c.wait_for_nodes()
+        assert c.head_node is not None
+        rc = RayCluster(c, c.head_node.node_id[:8], node.node_id[:8])
+        yield rc
+    finally:
+        address = str(c.address)
+        c.shutdown()
+    deadline = time.time() + 20
+    while _cluster_pids(address) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not _cluster_pids(address), "processes of the Ray cluster left behind"
+
+
+def ray_sweep(cluster: RayCluster, workdir: Path, *overrides: str, expect_ok: bool = True,
+              timeout: float = 240):
+    sweep_dir = workdir / "sweep"
+    res = run_cli(["-m", "hydra/launcher=ray", f"hydra.launcher.address={cluster.address}",
+                   *TINY, *overrides, f"hydra.sweep.dir={sweep_dir}"], workdir,
+                  timeout=timeout, expect_ok=expect_ok)
+    return res, sweep_dir
+
+
+def summary(sweep_dir: Path) -> dict[str, dict]:
+    with open(sweep_dir / "summary.csv", newline="") as f:
+        return {r["job"]: r for r in csv.DictReader(f)}
+
+
+def _time(stamp: str) -> float:
+    return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def timeline(output: str) -> dict[int, dict]:
+    """Each job's start and end as the launcher logged them, its CPUs and node(s)."""
+    jobs: dict[int, dict] = {}
+    for m in START.finditer(output):
+        jobs[int(m.group(2))] = {"start": _time(m.group(1)), "cpus": int(m.group(3)),
+                                 "nodes": NODE.findall(m.group(4))}
+    for m in END.finditer(output):
+        jobs.setdefault(int(m.group(2)), {})["end"] = _time(m.group(1))
+        jobs[int(m.group(2))]["outcome"] = m.group(3)
+    return jobs
+
+
+def test_a_sweep_of_one_and_two_worker_jobs_fills_the_cluster(cluster: RayCluster,
+                                                              workdir: Path) -> None:
+    res, sweep_dir = ray_sweep(cluster, workdir, "trainer.procs=1,2", "optimizer.lr=0.05,0.1")
+    rows = summary(sweep_dir)
+    assert sorted(rows) == ["0", "1", "2", "3"]
+    for job, row in rows.items():
+        run_dir = sweep_dir / job
+        metrics = read_metrics(run_dir)
+        assert row["status"] == metrics["status"] == "completed"
+        assert metrics["world_size"] == int(dict(o.split("=") for o in row["overrides"].split())
+                                             ["trainer.procs"])
+        assert (run_dir / "checkpoints" / "best.pt").is_file()
+        # TensorBoard's HParams of the job: its overrides.
+        acc = EventAccumulator(str(run_dir / "tb"))
+        acc.Reload()
+        content = acc.PluginTagToContent(metadata.PLUGIN_NAME)
+        start = metadata.parse_session_start_info_plugin_data(content[metadata.SESSION_START_INFO_TAG])
+        assert start.hparams["optimizer.lr"].number_value == float(
+            dict(o.split("=") for o in row["overrides"].split())["optimizer.lr"])
+    assert not (workdir / "outputs").exists()
+
+    jobs = timeline(res.output)
+    assert sorted(jobs) == [0, 1, 2, 3] and all(j["outcome"] == "completed" for j in jobs.values())
+    sizes = cluster.sizes()
+    # No node ever held more of this sweep's workers than it has CPUs.
+    for t in sorted({j["start"] for j in jobs.values()}):
+        held: dict[str, int] = {}
+        for j in jobs.values():
+            if j["start"] <= t < j["end"]:
+                for node in j["nodes"]:
+                    held[node] = held.get(node, 0) + j["cpus"]
+        assert all(held[n] <= sizes[n] for n in held), (t, held, jobs)
+    # Two-worker jobs only fit the 2-CPU node.
+    assert all(j["nodes"] == [cluster.worker] for j in jobs.values() if j["cpus"] == 2)
+    # A job that waited for room started within a second of the job whose end made it.
+    first = min(j["start"] for j in jobs.values())
+    for j in jobs.values():
+        if j["start"] - first > 1.0:
+            before = [o["end"] for o in jobs.values() if o["end"] <= j["start"] + 0.001]
+            assert before and j["start"] - max(before) < 1.0, (j, jobs)
+
+
+def test_a_raising_job_fails_its_row_and_a_too_large_one_is_refused(cluster: RayCluster,
+                                                                   workdir: Path) -> None:
+    res, sweep_dir = ray_sweep(cluster, workdir, "trainer.procs=1,3",
+                               "optimizer.momentum=0.9,-1", expect_ok=False)
+    assert res.returncode != 0
+    rows = summary(sweep_dir)
+    assert [rows[j]["status"] for j in "0123"] == ["completed", "failed", "failed", "failed"]
+    assert "Invalid momentum value" in rows["1"]["error"]
+    for job in "23":  # trainer.procs=3: more than any node has, never placed
+        assert "asks for 3 CPUs on one node" in rows[job]["error"]
+        assert f"{HEAD_CPUS} CPU" in rows[job]["error"] and f"{NODE_CPUS} CPUs" in rows[job]["error"]
+        assert not (sweep_dir / job).exists()
+    assert "#2 : trainer.procs=3 optimizer.momentum=0.9: refused before it was queued" in res.output
+    assert "Traceback" not in res.stderr
+
+
+def test_an_unreachable_address_is_refused_naming_it(workdir: Path) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    began = time.time()
+    res = run_cli(["-m", "hydra/launcher=ray", f"hydra.launcher.address=127.0.0.1:{port}",
+                   *TINY, "seed=0,1", "hydra.sweep.dir=sweep"], workdir, timeout=120,
+                  expect_ok=False)
+    assert time.time() - began < 45  # the refusal's 30 s and the command's start-up
+    assert res.returncode != 0
+    assert f"hydra.launcher.address=127.0.0.1:{port}: no Ray cluster answers there" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not (workdir / "sweep" / "0").exists()
+
+
+def test_a_job_across_two_nodes_writes_one_run_dir(cluster: RayCluster, workdir: Path) -> None:
+    res, sweep_dir = ray_sweep(cluster, workdir, "trainer.nodes=2", "seed=0")
+    jobs = timeline(res.output)
+    assert sorted(jobs[0]["nodes"]) == sorted([cluster.head, cluster.worker])
+    metrics = read_metrics(sweep_dir / "0")
+    assert metrics["status"] == "completed" and metrics["world_size"] == 2
+    assert [p.name for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()] == ["0"]
+    log = (sweep_dir / "0" / "ddpexp.log").read_text()
+    assert "2 worker(s) (env:// ranks)" in log
+    assert len(list((sweep_dir / "0" / "tb").glob("events.out.tfevents.*"))) == 1
+
+
+def test_a_killed_node_fails_its_job_and_the_others_complete(cluster: RayCluster,
+                                                             workdir: Path) -> None:
+    sweep_dir = workdir / "sweep"
+    # Job 0 (2 workers) runs on the 2-CPU node until it is killed; job 1 (1 worker) on the head.
+    proc = start_cli(["-m", "hydra/launcher=ray", f"hydra.launcher.address={cluster.address}",
+                      *TINY, "data.num_samples=256", "trainer.max_steps=100000",
+                      "trainer.max_epochs=1000", "trainer.procs=2,1",
+                      f"hydra.sweep.dir={sweep_dir}"], workdir)
+    deadline = time.time() + 120
+    while not ((sweep_dir / "0" / "checkpoints" / "last.pt").exists()
+               and (sweep_dir / "1" / "ddpexp.log").exists()):
+        assert proc.poll() is None and time.time() < deadline, "the jobs never started"
+        time.sleep(0.2)
+    cluster.kill_worker()
+    killed = time.time()
+    try:
+        # Job 1 goes on (a long run): stop it once job 0 is reported.
+        while "#0 ended" not in (sweep_dir.parent / "never").name:
+            break
+        time.sleep(1)
+    finally:
+        cluster.add_worker()
+    proc.send_signal(signal.SIGINT)
+    res = finish(proc, timeout=120)
+    assert not res.leftovers
+    jobs = timeline(res.output)
+    assert jobs[0]["outcome"] == "failed" and jobs[0]["end"] - killed < 30
+    rows = summary(sweep_dir)
+    assert rows["0"]["status"] == "failed" and "died" in rows["0"]["error"]
+    assert rows["1"]["status"] == "interrupted"
