@@ -488,11 +488,16 @@ LAUNCHER_SWEEP = ["optimizer.lr=0.01,0.03,0.1,0.3", "data.batch_size=32,64",
 
 def _launcher_variants() -> dict[str, list[str]]:
     """What runs the sweep: ddpexp's launcher at its defaults, Hydra's basic launcher (every
-    job in the sweep's own process, one after another) and, where it is installed, Hydra's
-    joblib launcher (a pool of worker processes, as many as cores)."""
+    job in the sweep's own process, one after another) and, where they are installed, Hydra's
+    joblib launcher (a pool of worker processes, as many as cores) and ddpexp's ray launcher
+    on a Ray of this machine."""
     variants = {"ddp (defaults)": [], "basic": ["hydra/launcher=basic"]}
     if importlib.util.find_spec("hydra_plugins.hydra_joblib_launcher") is not None:
         variants["joblib"] = ["hydra/launcher=joblib"]
+    if importlib.util.find_spec("ray") is not None:
+        # A Ray of this machine that the sweep starts and stops (2 CPUs), its start included.
+        variants["ray (local)"] = ["hydra/launcher=ray",
+                                   "hydra.launcher.object_store_memory=100000000"]
     return variants
 
 

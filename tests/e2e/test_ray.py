@@ -61,7 +61,8 @@ class RayCluster:
 
 
 def _cluster_pids(address: str) -> list[int]:
-    """Processes whose command line names the cluster's address (GCS, raylets, workers)."""
+    """Processes whose command line names the cluster's address (GCS, raylets, workers), and
+    job processes the launcher's actors started (their spec in a ``ddpexp-ray-job-`` dir)."""
     port = address.rsplit(":", 1)[1]
     pids = []
     for entry in Path("/proc").iterdir():
@@ -70,7 +71,7 @@ def _cluster_pids(address: str) -> list[int]:
                 cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:
                 continue
-            if f":{port}" in cmd and "pytest" not in cmd:
+            if (f":{port}" in cmd or "ddpexp-ray-job-" in cmd) and "pytest" not in cmd:
                 pids.append(int(entry.name))
     return pids
 
@@ -97,7 +98,7 @@ def cluster():
 
 
 def ray_sweep(cluster: RayCluster, workdir: Path, *overrides: str, expect_ok: bool = True,
-              timeout: float = 240):
+              timeout: float = 400):
     sweep_dir = workdir / "sweep"
     res = run_cli(["-m", "hydra/launcher=ray", f"hydra.launcher.address={cluster.address}",
                    *TINY, *overrides, f"hydra.sweep.dir={sweep_dir}"], workdir,
@@ -126,6 +127,7 @@ def timeline(output: str) -> dict[int, dict]:
     return jobs
 
 
+@pytest.mark.timeout(600)
 def test_a_sweep_of_one_and_two_worker_jobs_fills_the_cluster(cluster: RayCluster,
                                                               workdir: Path) -> None:
     res, sweep_dir = ray_sweep(cluster, workdir, "trainer.procs=1,2", "optimizer.lr=0.05,0.1")
@@ -214,6 +216,7 @@ def test_a_job_across_two_nodes_writes_one_run_dir(cluster: RayCluster, workdir:
     assert len(list((sweep_dir / "0" / "tb").glob("events.out.tfevents.*"))) == 1
 
 
+@pytest.mark.timeout(600)
 def test_ctrl_c_stops_the_jobs_and_resume_auto_finishes_the_sweep(cluster: RayCluster,
                                                                   workdir: Path) -> None:
     sweep_dir = workdir / "sweep"
@@ -244,9 +247,55 @@ def test_ctrl_c_stops_the_jobs_and_resume_auto_finishes_the_sweep(cluster: RayCl
     assert [r["status"] for r in summary(sweep_dir).values()] == ["completed"] * 2
 
 
+@pytest.mark.timeout(900)
+def test_an_async_search_on_ray_prunes_and_resumes_to_more_trials(cluster: RayCluster,
+                                                                  workdir: Path) -> None:
+    import optuna
+    from optuna.trial import TrialState
+
+    from ddpexp.runtime import trial as pruning
+    from ddpexp.sweep import search as _search
+
+    sweep_dir = workdir / "sweep"
+
+    def study() -> optuna.Study:
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        return optuna.create_study(study_name="ddpexp", direction="maximize",
+                                   load_if_exists=True, storage=pruning.journal_storage(
+                                       str(sweep_dir / _search.JOURNAL)))
+
+    # Two good trials first, then one that cannot learn (lr=0), asked once a slot frees,
+    # when a good one has completed: the median pruner stops it after its first epoch.
+    for lr, epochs in ((0.1, 2), (0.1, 2), (0.0, 3)):
+        study().enqueue_trial({"optimizer.lr": lr, "trainer.max_epochs": epochs})
+    args = ["-m", "hydra/launcher=ray", f"hydra.launcher.address={cluster.address}",
+            "hydra/sweeper=optuna_async", *TINY, "trainer.max_steps=null",
+            "data.num_samples=128", "resume=auto", f"hydra.sweep.dir={sweep_dir}",
+            "hydra.launcher.max_parallel=2", "hydra.sweeper.sampler.name=random",
+            "hydra.sweeper.sampler.seed=0", "hydra.sweeper.pruner.name=median",
+            "hydra.sweeper.pruner.n_startup_trials=1",
+            "optimizer.lr=choice(0.1,0.05,0.0)", "trainer.max_epochs=range(1,3)"]
+    run_cli([*args, "hydra.sweeper.n_trials=8"], workdir, timeout=600)
+    trials = study().trials
+    assert len(trials) == 8 and all(t.state.is_finished() for t in trials)
+    assert trials[2].state == TrialState.PRUNED
+    assert read_metrics(sweep_dir / "2")["status"] == "pruned"
+    assert trials[0].state == trials[1].state == TrialState.COMPLETE
+    before = {p: p.stat().st_mtime_ns for p in sweep_dir.glob("[0-7]/**/*") if p.is_file()}
+
+    res = run_cli([*args, "hydra.sweeper.n_trials=10"], workdir, timeout=300)
+    assert "8 trial(s) done before, 0 to resume, 2 to ask" in res.output
+    trials = study().trials
+    assert len(trials) == 10 and all(t.state.is_finished() for t in trials)
+    # None of the first eight ran again.
+    assert {p: p.stat().st_mtime_ns for p in sweep_dir.glob("[0-7]/**/*") if p.is_file()} == before
+    assert len(summary(sweep_dir)) == 10
+
+
+@pytest.mark.timeout(600)
 def test_a_killed_node_fails_its_job_and_the_others_complete(cluster: RayCluster,
                                                              workdir: Path) -> None:
-    """Last of the module: its cluster's second node is replaced by a new one."""
+    """Near the end of the module: its cluster's second node is replaced by a new one."""
     sweep_dir = workdir / "sweep"
     # Both jobs have 2 workers, which only the 2-CPU node holds: job 0 runs there until the
     # node is killed, job 1 waits for room and gets it on the node that replaces it.
@@ -270,3 +319,27 @@ def test_a_killed_node_fails_its_job_and_the_others_complete(cluster: RayCluster
     rows = summary(sweep_dir)
     assert rows["0"]["status"] == "failed" and "died" in rows["0"]["error"]
     assert rows["1"]["status"] == "completed"
+
+
+@pytest.mark.timeout(600)
+def test_with_retries_a_job_whose_node_died_continues_from_its_checkpoint(
+        cluster: RayCluster, workdir: Path) -> None:
+    sweep_dir = workdir / "sweep"
+    proc = start_cli(["-m", "hydra/launcher=ray", f"hydra.launcher.address={cluster.address}",
+                      *TINY, "data.num_samples=256", "trainer.max_steps=null",
+                      "trainer.max_epochs=20", "trainer.procs=2", "hydra.launcher.retries=1",
+                      "seed=0", f"hydra.sweep.dir={sweep_dir}"], workdir)
+    deadline = time.time() + 120
+    while not (sweep_dir / "0" / "checkpoints" / "last.pt").exists():
+        assert proc.poll() is None and time.time() < deadline, "job 0 never saved a checkpoint"
+        time.sleep(0.2)
+    cluster.kill_worker()
+    cluster.add_worker()
+    res = finish(proc, timeout=300)
+    assert not res.leftovers
+    assert res.returncode == 0, res.output
+    assert "placing it again (hydra.launcher.retries=1, retry 1)" in res.output
+    assert re.search(r"#0 : .*\[Ray: 2 CPUs on .*, attempt 2\]", res.output), res.output
+    metrics = read_metrics(sweep_dir / "0")
+    assert metrics["status"] == "completed" and metrics["epochs"] == 20
+    assert "resumed from" in (sweep_dir / "0" / "ddpexp.log").read_text()

@@ -51,6 +51,8 @@ CONNECT_TIMEOUT_S = 30.0
 PLACE_WAIT_S = 5.0
 # After rank 0 of a job over several nodes has ended, how long the other ranks have to end.
 FOLLOWERS_GRACE_S = 10.0
+# How long the nodes have to answer whether they can write the sweep dir.
+STORAGE_CHECK_S = 120.0
 # With nothing of the sweep running and no room for the next job, how long to wait before
 # looking at the cluster's nodes again.
 NO_ROOM_S = 1.0
@@ -196,6 +198,7 @@ class RayBackend(Backend):
         self._waiting: dict[int, Any] = {}  # job idx -> a placement group not yet ready
         self._refused: list[Ended] = []
         self._connected = False
+        self._storage_checked = False
         self._runner: Any = None
 
     # -------------------------------------------------------------- the cluster
@@ -223,6 +226,32 @@ class RayBackend(Backend):
                  len(self.nodes), "; ".join(f"{n.ip} (node {n.id[:8]}) {_amount(n.cpus, n.gpus)}"
                                            for n in self.nodes))
         return self
+
+    def _check_storage(self, sweep_dir: str) -> None:
+        """Refuse a sweep dir that a node of the cluster cannot write (every job writes its
+        run dir there, from whichever node it runs on), with one message naming the nodes."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from ddpexp.sweep.ray_job import cannot_write
+
+        self._storage_checked = True
+        check = ray.remote(cannot_write)
+        refs = {check.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+            n.id, soft=False)).remote(sweep_dir): n for n in self.nodes}
+        try:
+            answers = dict(zip(refs.values(), ray.get(list(refs), timeout=STORAGE_CHECK_S),
+                               strict=True))
+        except Exception as exc:  # a node that cannot run a task at all: its jobs will say
+            log.warning("could not check that every Ray node writes %s: %s", sweep_dir,
+                        _first_line(exc))
+            return
+        bad = [f"{n.ip} (node {n.id[:8]}): {why}" for n, why in answers.items() if why]
+        if bad:
+            raise ConfigError(
+                f"hydra.sweep.dir={sweep_dir}: not every node of the Ray cluster can write it "
+                f"({'; '.join(bad)}). Put the sweep dir on storage every node mounts at the "
+                "same path (NFS, a shared volume)")
 
     def __exit__(self, *exc: Any) -> None:
         if not self._connected:
@@ -267,6 +296,9 @@ class RayBackend(Backend):
     def start(self, job: Job) -> bool:
         """Reserve the job's bundles and start it; False when the cluster has no room for it
         now. A job that no node could ever hold is taken and reported ended (refused)."""
+        if not self._storage_checked and job.config is not None:
+            # The sweep dir as the driver resolved it into the job's config, once.
+            self._check_storage(str(job.config.hydra.sweep.dir))
         need = need_of(job)
         refused = too_large(need, self.seen)
         if refused is not None:
@@ -459,6 +491,12 @@ class RayBackend(Backend):
     def stop(self, job: Job, force: bool = False) -> None:
         placed = job.handle
         if not isinstance(placed, Placed):
+            return
+        if placed.replacing:  # nothing runs yet: it ends now, unplaced
+            _remove(placed.pg)
+            placed.replacing = False
+            self._refused.append(Ended(job, None, "it was stopped while waiting to be placed "
+                                                  "again after its node died"))
             return
         for actor in placed.actors:
             try:

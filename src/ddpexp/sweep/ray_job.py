@@ -141,6 +141,19 @@ class JobRunner:
         return time.time()
 
 
+def cannot_write(directory: str) -> str | None:
+    """Why this node cannot create a file in ``directory`` (the sweep dir), or None."""
+    probe = os.path.join(directory, f".ddpexp-write-check-{socket.gethostname()}-{os.getpid()}")
+    try:
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as exc:
+        return f"{exc.strerror or exc}" + ("" if os.path.isdir(directory) else
+                                           ": the directory does not exist there")
+    return None
+
+
 def follow() -> int:
     """A rank other than 0 of a job over several nodes: join rank 0's store, wait for the
     run's config, run as this rank (:func:`ddpexp.launch.ranks.follow`)."""
