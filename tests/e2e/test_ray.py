@@ -197,7 +197,7 @@ def test_an_unreachable_address_is_refused_naming_it(workdir: Path) -> None:
     res = run_cli(["-m", "hydra/launcher=ray", f"hydra.launcher.address=127.0.0.1:{port}",
                    *TINY, "seed=0,1", "hydra.sweep.dir=sweep"], workdir, timeout=120,
                   expect_ok=False)
-    assert time.time() - began < 45  # the refusal's 30 s and the command's start-up
+    assert time.time() - began < 45  # within the bound of 30 s, and the command's start-up
     assert res.returncode != 0
     assert f"hydra.launcher.address=127.0.0.1:{port}: no Ray cluster answers there" in res.stderr
     assert "Traceback" not in res.stderr

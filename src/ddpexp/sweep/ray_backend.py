@@ -44,8 +44,10 @@ from ddpexp.sweep.backend import Backend, Ended, Job, job_env, payload
 
 log = logging.getLogger("hydra_plugins.ddpexp_launcher")
 
-# How long an address may take to answer before the sweep is refused.
+# How long an address may take to answer before the sweep is refused, and how long a
+# refused connection is tried again (a head that is starting opens its port within seconds).
 CONNECT_TIMEOUT_S = 30.0
+REFUSED_RETRY_S = 5.0
 # How long start() waits for a placement group that the sweep's own count says fits (Ray
 # takes some milliseconds to reserve it); one that is not ready by then waits for a later try.
 PLACE_WAIT_S = 5.0
@@ -148,16 +150,22 @@ def probe(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
         raise ConfigError(f"hydra.launcher.address={address} is not a Ray address: use auto, "
                           "HOST:PORT (the head's GCS port, 6379 by default) or ray://HOST:PORT "
                           "(Ray Client, 10001)")
-    deadline = time.monotonic() + timeout
+    began = time.monotonic()
+    deadline = began + timeout
     while True:
         try:
             with socket.create_connection((host, int(port)), timeout=min(5.0, timeout)):
                 return
         except OSError as exc:
-            if time.monotonic() >= deadline - 1.0:
+            # A refused connection is retried only as long as a head takes to open its
+            # port; an address that does not answer at all, up to the whole bound.
+            refused = isinstance(exc, ConnectionRefusedError)
+            if (time.monotonic() >= deadline - 1.0
+                    or (refused and time.monotonic() - began >= REFUSED_RETRY_S)):
+                waited = time.monotonic() - began
                 raise ConfigError(
                     f"hydra.launcher.address={address}: no Ray cluster answers there "
-                    f"({exc.strerror or exc}) after {timeout:g} s. Start one (ray start --head) "
+                    f"({exc.strerror or exc}, for {waited:.0f} s). Start one (ray start --head) "
                     "or give the address of its head (ray status prints it)") from None
             time.sleep(1.0)
 
