@@ -214,8 +214,14 @@ class RayBackend(Backend):
         import ray
 
         if self.address is None:
-            ray.init(num_cpus=min(LOCAL_CPUS, os.cpu_count() or 1), include_dashboard=False,
-                     object_store_memory=self.object_store_memory, log_to_driver=True)
+            try:
+                ray.init(num_cpus=min(LOCAL_CPUS, os.cpu_count() or 1), include_dashboard=False,
+                         object_store_memory=self.object_store_memory, log_to_driver=True)
+            except Exception as exc:  # Ray raises bare Exceptions when its services do not start
+                ray.shutdown()  # whatever of it did start ends here
+                raise ConfigError(f"hydra/launcher=ray could not start a Ray on this machine "
+                                  f"({_first_line(exc)}); on a busy machine try again, or give "
+                                  "a running cluster's hydra.launcher.address") from None
         else:
             probe(self.address)
             try:
