@@ -44,24 +44,39 @@ def _die_with_parent() -> None:
             pass
 
 
-# Kills a job's process group once the actor that started it is gone: the job's workers
-# are not its children but the job process's, which SIGKILL on the actor's death leaves
-# orphaned otherwise.
+# Kills a job's process group once the actor that started it is gone. The job's workers
+# are the job process's children, not the actor's: SIGKILL on the actor's death ends the job
+# process, and Ray ends the actor's own children as the actor exits, but not the workers.
+# So the reaper is no child of the actor (it forks itself away first) and watches it by pid;
+# it leaves by itself once the group is empty.
 _REAPER = """import os, sys, time
+if os.fork() > 0:
+    os._exit(0)
 actor, group = int(sys.argv[1]), int(sys.argv[2])
-while os.getppid() == actor:
+while True:
     time.sleep(0.5)
-try:
-    os.killpg(group, 9)
-except OSError:
-    pass
+    try:
+        os.killpg(group, 0)
+    except OSError:
+        sys.exit(0)
+    try:
+        os.kill(actor, 0)
+    except ProcessLookupError:
+        try:
+            os.killpg(group, 9)
+        except OSError:
+            pass
+        sys.exit(0)
+    except OSError:
+        pass
 """
 
 
-def _reaper(group: int) -> subprocess.Popen:
-    """A small process that ends process group ``group`` when this process dies."""
-    return subprocess.Popen([sys.executable, "-S", "-c", _REAPER, str(os.getpid()), str(group)],
-                            start_new_session=True, stdin=subprocess.DEVNULL)
+def _reaper(group: int) -> None:
+    """Start the reaper of process group ``group`` (see ``_REAPER``)."""
+    starter = subprocess.Popen([sys.executable, "-S", "-c", _REAPER, str(os.getpid()), str(group)],
+                               start_new_session=True, stdin=subprocess.DEVNULL)
+    starter.wait()  # it forks the reaper and exits at once
 
 
 def free_port() -> int:
@@ -106,11 +121,9 @@ class JobRunner:
                 proc_env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
             self.procs.append(subprocess.Popen(command, env=proc_env,
                                                preexec_fn=_die_with_parent))
-        reapers = [_reaper(p.pid) for p in self.procs]
+        for proc in self.procs:
+            _reaper(proc.pid)
         codes = [p.wait() for p in self.procs]
-        for reaper in reapers:
-            reaper.kill()
-            reaper.wait()
         out: dict[str, Any] = {"codes": codes, "result": None, "peak": 0,
                                "host": socket.gethostname()}
         if os.path.isfile(result_path):
