@@ -149,6 +149,7 @@ def test_a_sweep_of_one_and_two_worker_jobs_fills_the_cluster(cluster: RayCluste
             dict(o.split("=") for o in row["overrides"].split())["optimizer.lr"])
     assert not (workdir / "outputs").exists()
 
+    assert "could not check that every Ray node writes" not in res.output
     jobs = timeline(res.output)
     assert sorted(jobs) == [0, 1, 2, 3] and all(j["outcome"] == "completed" for j in jobs.values())
     sizes = cluster.sizes()
@@ -214,6 +215,29 @@ def test_a_job_across_two_nodes_writes_one_run_dir(cluster: RayCluster, workdir:
     log = (sweep_dir / "0" / "ddpexp.log").read_text()
     assert "2 worker(s) (env:// ranks)" in log
     assert len(list((sweep_dir / "0" / "tb").glob("events.out.tfevents.*"))) == 1
+
+
+def test_a_sweep_dir_a_node_cannot_write_is_refused_naming_the_node(cluster: RayCluster,
+                                                                   tmp_path: Path) -> None:
+    """The check every sweep makes before its first job, asked of each node for a dir that
+    none of them has (a sweep dir on this machine's disk, not on the nodes' shared storage)."""
+    from types import SimpleNamespace
+
+    from ddpexp.errors import ConfigError
+    from ddpexp.sweep.ray_backend import RayBackend
+
+    backend = RayBackend(SimpleNamespace(address=cluster.address, max_parallel=None, retries=0))
+    with backend:
+        backend._check_storage(str(tmp_path))  # every node writes it: no refusal
+        with pytest.raises(ConfigError) as refused:
+            backend._check_storage(str(tmp_path / "not-shared"))
+    message = str(refused.value)
+    assert message.startswith(f"hydra.sweep.dir={tmp_path / 'not-shared'}: not every node of "
+                              "the Ray cluster can write it")
+    for node in (cluster.head, cluster.worker):
+        assert f"(node {node}): No such file or directory: the directory does not exist there" \
+            in message
+    assert not ray.is_initialized()
 
 
 @pytest.mark.timeout(600)

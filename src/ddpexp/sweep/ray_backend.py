@@ -214,14 +214,7 @@ class RayBackend(Backend):
         import ray
 
         if self.address is None:
-            try:
-                ray.init(num_cpus=min(LOCAL_CPUS, os.cpu_count() or 1), include_dashboard=False,
-                         object_store_memory=self.object_store_memory, log_to_driver=True)
-            except Exception as exc:  # Ray raises bare Exceptions when its services do not start
-                ray.shutdown()  # whatever of it did start ends here
-                raise ConfigError(f"hydra/launcher=ray could not start a Ray on this machine "
-                                  f"({_first_line(exc)}); on a busy machine try again, or give "
-                                  "a running cluster's hydra.launcher.address") from None
+            self._start_local()
         else:
             probe(self.address)
             try:
@@ -241,6 +234,26 @@ class RayBackend(Backend):
                                            for n in self.nodes))
         return self
 
+    def _start_local(self) -> None:
+        """A Ray of this machine for the sweep. Ray gives its raylet a fixed 30 s to register
+        and a loaded machine can miss it: one more try before the sweep is refused."""
+        import ray
+
+        for attempt in (1, 2):
+            try:
+                ray.init(num_cpus=min(LOCAL_CPUS, os.cpu_count() or 1), include_dashboard=False,
+                         object_store_memory=self.object_store_memory, log_to_driver=True)
+                return
+            except Exception as exc:  # Ray raises bare Exceptions when its services do not start
+                ray.shutdown()  # whatever of it did start ends here
+                if attempt == 2:
+                    raise ConfigError(
+                        f"hydra/launcher=ray could not start a Ray on this machine "
+                        f"({_first_line(exc)}); on a busy machine try again, or give a running "
+                        "cluster's hydra.launcher.address") from None
+                log.warning("a Ray of this machine did not start (%s): trying once more",
+                            _first_line(exc))
+
     def _check_storage(self, sweep_dir: str) -> None:
         """Refuse a sweep dir that a node of the cluster cannot write (every job writes its
         run dir there, from whichever node it runs on), with one message naming the nodes."""
@@ -251,16 +264,16 @@ class RayBackend(Backend):
 
         self._storage_checked = True
         check = ray.remote(cannot_write)
-        refs = {check.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
-            n.id, soft=False)).remote(sweep_dir): n for n in self.nodes}
+        refs = [check.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+            n.id, soft=False)).remote(sweep_dir) for n in self.nodes]
         try:
-            answers = dict(zip(refs.values(), ray.get(list(refs), timeout=STORAGE_CHECK_S),
-                               strict=True))
+            answers = ray.get(refs, timeout=STORAGE_CHECK_S)
         except Exception as exc:  # a node that cannot run a task at all: its jobs will say
             log.warning("could not check that every Ray node writes %s: %s", sweep_dir,
                         _first_line(exc))
             return
-        bad = [f"{n.ip} (node {n.id[:8]}): {why}" for n, why in answers.items() if why]
+        bad = [f"{n.ip} (node {n.id[:8]}): {why}"
+               for n, why in zip(self.nodes, answers, strict=True) if why]
         if bad:
             raise ConfigError(
                 f"hydra.sweep.dir={sweep_dir}: not every node of the Ray cluster can write it "
