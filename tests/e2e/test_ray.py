@@ -76,20 +76,33 @@ def _cluster_pids(address: str) -> list[int]:
     return pids
 
 
+def _start_cluster():
+    """The cluster and its second node. Ray gives each raylet a fixed 30 s to register, which
+    a loaded machine can miss: one more try."""
+    for attempt in (1, 2):
+        c = Cluster()
+        try:
+            c.add_node(num_cpus=HEAD_CPUS, object_store_memory=STORE, include_dashboard=False,
+                       _system_config=FAST_DEATH)
+            node = c.add_node(num_cpus=NODE_CPUS, object_store_memory=STORE)
+            c.wait_for_nodes()
+            return c, node
+        except Exception:
+            c.shutdown()
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture(scope="module")
 def cluster():
     """A head of 1 CPU and a node of 2 CPUs, as two raylets; nothing of it is left after."""
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": HEAD_CPUS, "object_store_memory": STORE, "include_dashboard": False,
-        "_system_config": FAST_DEATH})
+    c, node = _start_cluster()
+    address = str(c.address)
     try:
-        node = c.add_node(num_cpus=NODE_CPUS, object_store_memory=STORE)
-        c.wait_for_nodes()
         assert c.head_node is not None
-        rc = RayCluster(c, c.head_node.node_id[:8], node.node_id[:8])
-        yield rc
+        yield RayCluster(c, c.head_node.node_id[:8], node.node_id[:8])
     finally:
-        address = str(c.address)
         c.shutdown()
     deadline = time.time() + 20
     while _cluster_pids(address) and time.time() < deadline:
