@@ -621,13 +621,19 @@ LAUNCHER_SWEEP = ["optimizer.lr=0.01,0.03,0.1,0.3", "data.batch_size=32,64",
                   "trainer.max_epochs=3", "trainer.progress_bar=false"]
 
 
-def _launcher_variants() -> dict[str, list[str]]:
+def _launcher_variants(quick: bool = False) -> dict[str, list[str]]:
     """What runs the sweep: ddpexp's launcher at its defaults, Hydra's basic launcher (every
-    job in the sweep's own process, one after another) and, where it is installed, Hydra's
-    joblib launcher (a pool of worker processes, as many as cores)."""
+    job in the sweep's own process, one after another) and, where they are installed, Hydra's
+    joblib launcher (a pool of worker processes, as many as cores) and ddpexp's ray launcher
+    on a Ray of this machine (not with ``--quick``: Ray's own start takes longer than the
+    quick sweep)."""
     variants = {"ddp (defaults)": [], "basic": ["hydra/launcher=basic"]}
     if importlib.util.find_spec("hydra_plugins.hydra_joblib_launcher") is not None:
         variants["joblib"] = ["hydra/launcher=joblib"]
+    if not quick and importlib.util.find_spec("ray") is not None:
+        # A Ray of this machine that the sweep starts and stops (2 CPUs), its start included.
+        variants["ray (local)"] = ["hydra/launcher=ray",
+                                   "hydra.launcher.object_store_memory=100000000"]
     return variants
 
 
@@ -638,7 +644,7 @@ def launchers_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str
     end-of-run work). A markdown table of medians."""
     sweep = (["optimizer.lr=0.01,0.1", "data.batch_size=32", "trainer.max_epochs=1",
               "trainer.progress_bar=false"] if quick else LAUNCHER_SWEEP)
-    variants = _launcher_variants()
+    variants = _launcher_variants(quick)
     walls: dict[str, list[float]] = {name: [] for name in variants}
     overheads: list[float] = []
     with tempfile.TemporaryDirectory(prefix="ddpexp-bench-launchers-") as tmp:

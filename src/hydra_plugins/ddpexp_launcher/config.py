@@ -36,6 +36,37 @@ ConfigStore.instance().store(group="hydra/launcher", name="ddp", node=DdpLaunche
                              provider="ddpexp")
 
 
+@dataclass
+class RayLauncherConf:
+    """``hydra.launcher.*`` keys of the ray launcher (``hydra/launcher=ray``)."""
+
+    _target_: str = "hydra_plugins.ddpexp_launcher.ray_launcher.RayLauncher"
+    # The Ray cluster: auto, HOST:PORT (the head's GCS port) or ray://HOST:PORT (Ray Client);
+    # null: a Ray of this machine started for the sweep (2 CPUs) and stopped with it.
+    address: str | None = None
+    # Sweep jobs at once (null: as many as the cluster has room for; each job reserves a
+    # CPU per worker and trainer.gpus GPUs on one node, or on each of trainer.nodes nodes).
+    max_parallel: int | None = None
+    # Stop launching new jobs after the first failure (the jobs already running finish).
+    fail_fast: bool = False
+    # Wall-clock limit of one job in seconds (null = none); a job over it is stopped
+    # (SIGTERM, so ddpexp checkpoints) and counts as failed.
+    timeout_s: float | None = None
+    # After SIGTERM (timeout, Ctrl-C), how long a job may take to save and exit before its
+    # processes are killed.
+    kill_grace_s: float = 30.0
+    # A job whose node dies is placed again up to this many times, and continues from its
+    # last.pt (0: it fails, naming the node).
+    retries: int = 0
+    # Bytes of the object store of the Ray this sweep starts (address null; null: Ray's own
+    # choice, 30% of the memory).
+    object_store_memory: int | None = None
+
+
+ConfigStore.instance().store(group="hydra/launcher", name="ray", node=RayLauncherConf,
+                             provider="ddpexp")
+
+
 
 # hydra/launcher=submitit_slurm with ddpexp's defaults for SLURM's pre-timeout signal: the
 # submitit plugin's own schema, stored again under its name. SLURM sends SIGUSR2

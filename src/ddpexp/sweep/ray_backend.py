@@ -1,0 +1,580 @@
+"""The Ray backend (:mod:`ddpexp.sweep.backend`) of the ray launcher
+(``hydra/launcher=ray``): every sweep job a ddpexp run on a node of a Ray cluster.
+
+A job reserves a Ray placement group: per node of the job one bundle of its workers' CPUs
+(``trainer.procs``, a CPU each) and GPUs (``trainer.gpus``), as Ray counts them; one bundle
+per node rather than per worker because the job's process is one Ray actor, which holds one
+bundle, and must see every GPU its workers use. A job on one node is one bundle; one with
+``trainer.nodes=N`` is N bundles on N different nodes (``STRICT_SPREAD``), joined as an
+env:// world whose address is the first bundle's node. In each bundle a
+:class:`~ddpexp.sweep.ray_job.JobRunner` actor runs the job's processes
+(:mod:`ddpexp.sweep.ray_job`).
+
+A job starts as soon as some node has its bundle free (:meth:`RayBackend.start` checks
+the nodes' room as this sweep holds it, then waits briefly for the placement group); the
+jobs that end are taken as Ray reports them, the first finished first (``ray.wait``). A job
+asking for more than any node has is refused before anything is reserved, naming the job and
+the nodes' sizes. A node that dies mid-job ends that job as failed, naming the node, or,
+with ``hydra.launcher.retries=N``, places it again (up to N times) to continue from its
+``last.pt``. What a job's ending means, time limits, ``fail_fast``, Ctrl-C and the summary
+are the driver's (:mod:`ddpexp.sweep.driver`).
+
+``hydra.launcher.address`` unset starts a Ray of this machine for the sweep (2 CPUs' worth)
+and stops it after; set, it is a running cluster's address (``auto``, ``host:port``,
+``ray://host:port``), refused within :data:`CONNECT_TIMEOUT_S` when nothing answers there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import OmegaConf, open_dict
+
+from ddpexp.errors import ConfigError
+from ddpexp.sweep.backend import Backend, Ended, Job, job_env, payload
+
+log = logging.getLogger("hydra_plugins.ddpexp_launcher")
+
+# How long an address may take to answer before the sweep is refused, and how long a
+# refused connection is tried again (a head that is starting opens its port within seconds).
+CONNECT_TIMEOUT_S = 30.0
+REFUSED_RETRY_S = 5.0
+# How long start() waits for a placement group that the sweep's own count says fits (Ray
+# takes some milliseconds to reserve it); one that is not ready by then waits for a later try.
+PLACE_WAIT_S = 5.0
+# After rank 0 of a job over several nodes has ended, how long the other ranks have to end.
+FOLLOWERS_GRACE_S = 10.0
+# How long the nodes have to answer whether they can write the sweep dir.
+STORAGE_CHECK_S = 120.0
+# With nothing of the sweep running and no room for the next job, how long to wait before
+# looking at the cluster's nodes again.
+NO_ROOM_S = 1.0
+# The local Ray a sweep without an address starts: this machine's cores, up to 2.
+LOCAL_CPUS = 2
+# Ray's worker processes run at niceness 15 by default; the job's training is the point of
+# the worker, so it runs at normal priority (what Ray's own job supervisor asks for).
+RUNNER_ENV = {"RAY_worker_niceness": "0"}
+
+
+# ------------------------------------------------------------------------------ sizes
+@dataclass(frozen=True)
+class Need:
+    """What a job reserves: ``nodes`` bundles of ``cpus`` CPUs and ``gpus`` GPUs, each on a
+    node of its own."""
+
+    cpus: int
+    gpus: int = 0
+    nodes: int = 1
+
+    def bundle(self) -> dict[str, float]:
+        return {"CPU": float(self.cpus), **({"GPU": float(self.gpus)} if self.gpus else {})}
+
+    def describe(self) -> str:
+        one = _amount(self.cpus, self.gpus)
+        return one + " on one node" if self.nodes == 1 else f"{one} on each of {self.nodes} nodes"
+
+
+@dataclass
+class Node:
+    """A node of the cluster: its id, address and size, and what this sweep's jobs hold."""
+
+    id: str
+    ip: str
+    cpus: float
+    gpus: float = 0.0
+    used_cpus: float = 0.0
+    used_gpus: float = 0.0
+
+    def fits(self, need: Need, free: bool = True) -> bool:
+        cpus = self.cpus - (self.used_cpus if free else 0)
+        gpus = self.gpus - (self.used_gpus if free else 0)
+        return cpus >= need.cpus and gpus >= need.gpus
+
+
+def _amount(cpus: float, gpus: float) -> str:
+    text = f"{cpus:g} CPU{'s' if cpus != 1 else ''}"
+    return text + (f" and {gpus:g} GPU{'s' if gpus != 1 else ''}" if gpus else "")
+
+
+def need_of(job: Job) -> Need:
+    """The job's reservation, from its config (workers per node, GPUs per node, nodes)."""
+    nodes = int(OmegaConf.select(job.config, "trainer.nodes", default=1) or 1) if job.config else 1
+    return Need(max(1, job.workers, job.gpus), job.gpus, max(1, nodes))
+
+
+def fits(need: Need, nodes: Sequence[Node], free: bool = True) -> bool:
+    """Whether ``need`` fits on ``nodes`` (as they are now, or, ``free=False``, empty)."""
+    return sum(n.fits(need, free) for n in nodes) >= need.nodes
+
+
+def too_large(need: Need, nodes: Sequence[Node]) -> str | None:
+    """Why no node of the cluster (or not enough of them) could ever hold a job of ``need``,
+    naming the nodes' sizes; None when it fits the empty cluster."""
+    if fits(need, nodes, free=False):
+        return None
+    sizes = ", ".join(f"{n.ip} {_amount(n.cpus, n.gpus)}" for n in nodes) or "none"
+    return (f"it asks for {need.describe()}, more than the Ray cluster has (its nodes: "
+            f"{sizes}): ask for fewer trainer.procs or trainer.gpus (or trainer.nodes), or add "
+            "nodes that large")
+
+
+def nodes_of(listing: Sequence[dict[str, Any]]) -> list[Node]:
+    """The alive nodes of ``ray.nodes()``, with the CPUs and GPUs each has."""
+    out = []
+    for entry in listing:
+        if not entry.get("Alive"):
+            continue
+        res = entry.get("Resources") or {}
+        out.append(Node(str(entry["NodeID"]), str(entry.get("NodeManagerAddress", "?")),
+                        float(res.get("CPU", 0)), float(res.get("GPU", 0))))
+    return out
+
+
+def probe(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """Refuse an address where nothing listens, within ``timeout`` seconds, with one
+    message naming it. ``auto`` is left to Ray (it looks for a cluster of this machine)."""
+    if address == "auto":
+        return
+    hostport = address.split("://", 1)[-1].rstrip("/")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"hydra.launcher.address={address} is not a Ray address: use auto, "
+                          "HOST:PORT (the head's GCS port, 6379 by default) or ray://HOST:PORT "
+                          "(Ray Client, 10001)")
+    began = time.monotonic()
+    deadline = began + timeout
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=min(5.0, timeout)):
+                return
+        except OSError as exc:
+            # A refused connection is retried only as long as a head takes to open its
+            # port; an address that does not answer at all, up to the whole bound.
+            refused = isinstance(exc, ConnectionRefusedError)
+            if (time.monotonic() >= deadline - 1.0
+                    or (refused and time.monotonic() - began >= REFUSED_RETRY_S)):
+                waited = time.monotonic() - began
+                raise ConfigError(
+                    f"hydra.launcher.address={address}: no Ray cluster answers there "
+                    f"({exc.strerror or exc}, for {waited:.0f} s). Start one (ray start --head) "
+                    "or give the address of its head (ray status prints it)") from None
+            time.sleep(1.0)
+
+
+# ------------------------------------------------------------------------------ the backend
+@dataclass
+class Placed:
+    """The Ray backend's handle on a job (``Job.handle``)."""
+
+    need: Need
+    pg: Any
+    # Its bundles' node ids, once placed; its actors and their run() refs, once launched.
+    nodes: list[str] = field(default_factory=list)
+    actors: list[Any] = field(default_factory=list)
+    runs: list[Any] = field(default_factory=list)
+    attempt: int = 0
+    # A placement asked again after a node died (retries): not yet launched.
+    replacing: bool = False
+
+
+class RayBackend(Backend):
+    """Jobs as Ray actors in placement groups: :meth:`start` reserves a job's bundles and
+    starts its actors, :meth:`wait` takes the jobs Ray reports ended (first finished),
+    :meth:`stop` signals the job's processes on their nodes."""
+
+    def __init__(self, launcher: Any) -> None:
+        self.launcher = launcher
+        self.address: str | None = getattr(launcher, "address", None) or None
+        parallel = getattr(launcher, "max_parallel", None)
+        self.parallel = None if parallel is None else max(1, int(parallel))
+        self.retries = max(0, int(getattr(launcher, "retries", 0) or 0))
+        self.object_store_memory = getattr(launcher, "object_store_memory", None)
+        self.running: list[Job] = []
+        self.nodes: list[Node] = []
+        # Every node seen during the sweep: a job too large for all of them is refused; one
+        # that only a node that died could hold waits for another like it.
+        self.seen: list[Node] = []
+        self._waiting: dict[int, Any] = {}  # job idx -> a placement group not yet ready
+        self._refused: list[Ended] = []
+        self._connected = False
+        self._storage_checked = False
+        self._runner: Any = None
+
+    # -------------------------------------------------------------- the cluster
+    def __enter__(self) -> RayBackend:
+        import ray
+
+        if self.address is None:
+            self._start_local()
+        else:
+            probe(self.address)
+            try:
+                ray.init(address=self.address, log_to_driver=True)
+            except Exception as exc:
+                raise ConfigError(f"hydra.launcher.address={self.address}: Ray could not connect "
+                                  f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})."
+                                  " Give the address of a running cluster's head (ray status "
+                                  "prints it)") from None
+        self._connected = True
+        from ddpexp.sweep.ray_job import JobRunner
+
+        self._runner = ray.remote(JobRunner)
+        self._refresh()
+        log.info("Ray cluster %s: %d node(s): %s", self.address or "of this machine",
+                 len(self.nodes), "; ".join(f"{n.ip} (node {n.id[:8]}) {_amount(n.cpus, n.gpus)}"
+                                           for n in self.nodes))
+        return self
+
+    def _start_local(self) -> None:
+        """A Ray of this machine for the sweep. Ray gives its raylet a fixed 30 s to register
+        and a loaded machine can miss it: one more try before the sweep is refused."""
+        import ray
+
+        for attempt in (1, 2):
+            try:
+                ray.init(num_cpus=min(LOCAL_CPUS, os.cpu_count() or 1), include_dashboard=False,
+                         object_store_memory=self.object_store_memory, log_to_driver=True)
+                return
+            except Exception as exc:  # Ray raises bare Exceptions when its services do not start
+                ray.shutdown()  # whatever of it did start ends here
+                if attempt == 2:
+                    raise ConfigError(
+                        f"hydra/launcher=ray could not start a Ray on this machine "
+                        f"({_first_line(exc)}); on a busy machine try again, or give a running "
+                        "cluster's hydra.launcher.address") from None
+                log.warning("a Ray of this machine did not start (%s): trying once more",
+                            _first_line(exc))
+
+    def _check_storage(self, sweep_dir: str) -> None:
+        """Refuse a sweep dir that a node of the cluster cannot write (every job writes its
+        run dir there, from whichever node it runs on), with one message naming the nodes."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from ddpexp.sweep.ray_job import cannot_write
+
+        self._storage_checked = True
+        check = ray.remote(cannot_write)
+        refs = [check.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+            n.id, soft=False)).remote(sweep_dir) for n in self.nodes]
+        try:
+            answers = ray.get(refs, timeout=STORAGE_CHECK_S)
+        except Exception as exc:  # a node that cannot run a task at all: its jobs will say
+            log.warning("could not check that every Ray node writes %s: %s", sweep_dir,
+                        _first_line(exc))
+            return
+        bad = [f"{n.ip} (node {n.id[:8]}): {why}"
+               for n, why in zip(self.nodes, answers, strict=True) if why]
+        if bad:
+            raise ConfigError(
+                f"hydra.sweep.dir={sweep_dir}: not every node of the Ray cluster can write it "
+                f"({'; '.join(bad)}). Put the sweep dir on storage every node mounts at the "
+                "same path (NFS, a shared volume)")
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self._connected:
+            return
+        import ray
+
+        try:
+            for job in self.running:
+                if isinstance(job.handle, Placed):
+                    self._release(job.handle, kill=True)
+            for pg in self._waiting.values():
+                _remove(pg)
+        finally:
+            ray.shutdown()
+            self._connected = False
+
+    def _refresh(self) -> None:
+        """The cluster's alive nodes, keeping what this sweep's jobs hold on each."""
+        import ray
+
+        used = {n.id: (n.used_cpus, n.used_gpus) for n in self.nodes}
+        self.nodes = nodes_of(ray.nodes())
+        for node in self.nodes:
+            node.used_cpus, node.used_gpus = used.get(node.id, (0.0, 0.0))
+        known = {n.id for n in self.seen}
+        self.seen += [Node(n.id, n.ip, n.cpus, n.gpus) for n in self.nodes if n.id not in known]
+
+    def describe(self) -> str:
+        where = f"at {self.address}" if self.address else "of this machine, started for the sweep"
+        cap = f", up to {self.parallel} at once" if self.parallel else ""
+        return (f"on the Ray cluster {where}: each job starts as soon as a node has its "
+                f"workers' CPUs (and GPUs) free{cap}")
+
+    @property
+    def free(self) -> int:
+        """Free CPUs of the cluster as this sweep holds it (0 once ``max_parallel`` jobs run)."""
+        if self.parallel is not None and len(self.running) >= self.parallel:
+            return 0
+        return int(sum(max(0.0, n.cpus - n.used_cpus) for n in self.nodes))
+
+    # -------------------------------------------------------------- jobs
+    def start(self, job: Job) -> bool:
+        """Reserve the job's bundles and start it; False when the cluster has no room for it
+        now. A job that no node could ever hold is taken and reported ended (refused)."""
+        if not self._storage_checked and job.config is not None:
+            # The sweep dir as the driver resolved it into the job's config, once.
+            self._check_storage(str(job.config.hydra.sweep.dir))
+        need = need_of(job)
+        refused = too_large(need, self.seen)
+        if refused is not None:
+            self._refresh()  # a node may have joined since
+            refused = too_large(need, self.seen)
+        if refused is not None:
+            job.started = time.time()
+            log.error("\t%s: refused before it was queued: %s", job.label, refused)
+            self._refused.append(Ended(job, None, f"refused before it was queued: {refused}"))
+            self.running.append(job)
+            return True
+        if self.parallel is not None and len(self.running) >= self.parallel:
+            return False
+        if not fits(need, self.nodes):
+            if not self.running:
+                # Nothing of the sweep runs, so no end will make room: the cluster is short
+                # of nodes (one died, one is coming): look again in a moment.
+                time.sleep(NO_ROOM_S)
+                self._refresh()
+            return False
+        pg = self._waiting.pop(job.idx, None) or self._place(need)
+        if not _ready(pg, PLACE_WAIT_S):
+            self._waiting[job.idx] = pg  # held by someone else's tasks: asked again later
+            return False
+        job.handle = Placed(need, pg)
+        self._launch(job)
+        self.running.append(job)
+        return True
+
+    def _place(self, need: Need) -> Any:
+        from ray.util.placement_group import placement_group
+
+        return placement_group([need.bundle()] * need.nodes,
+                               strategy="PACK" if need.nodes == 1 else "STRICT_SPREAD")
+
+    def _launch(self, job: Job) -> None:
+        """Start the actors of a placed job and its processes in them."""
+        import cloudpickle
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        placed: Placed = job.handle
+        placed.replacing = False
+        placed.nodes = _bundle_nodes(placed.pg, placed.need.nodes)
+        for node in self.nodes:
+            share = placed.nodes.count(node.id)
+            node.used_cpus += share * placed.need.cpus
+            node.used_gpus += share * placed.need.gpus
+        need = placed.need
+        placed.actors = [
+            self._runner.options(
+                num_cpus=need.cpus, num_gpus=need.gpus, max_concurrency=2, max_restarts=0,
+                runtime_env={"env_vars": RUNNER_ENV},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placed.pg, placement_group_bundle_index=i),
+            ).remote() for i in range(need.nodes)]
+        ranks: list[list[dict[str, str]]] = [[{}]]
+        if need.nodes > 1:
+            addr, port = ray.get(placed.actors[0].where.remote(), timeout=120)
+            ranks = world_ranks(need, addr, port)
+            config = job.config
+            assert config is not None, "a started job has its config"
+            with open_dict(config):
+                # The address the ranks meet at: what trainer.nodes>1 asks to be named.
+                config.trainer.rdzv_endpoint = f"{addr}:{port}"
+        job.started = time.time()
+        env = {**job_env(job), "OMP_NUM_THREADS": str(need.cpus), "MKL_NUM_THREADS": str(need.cpus)}
+        spec = pickle.dumps({"sys_path": list(sys.path), "cores": []})
+        spec += cloudpickle.dumps(payload(self.launcher, job))
+        ref = ray.put(spec)
+        placed.runs = [actor.run.remote(ref, env, ranks[i]) for i, actor in enumerate(placed.actors)]
+        again = f", attempt {placed.attempt + 1}" if placed.attempt else ""
+        log.info("\t%s  [Ray: %s on %s%s]", job.label, _amount(need.cpus, need.gpus),
+                 ", ".join(self._ip(n) for n in placed.nodes), again)
+
+    def _ip(self, node_id: str) -> str:
+        """A node as the log names it: its address and the start of its id (the nodes of
+        one machine share the address)."""
+        ip = next((n.ip for n in self.nodes if n.id == node_id), "?")
+        return f"{ip} (node {node_id[:8]})"
+
+    def wait(self, timeout: float) -> list[Ended]:
+        """The jobs that ended, the first Ray reports first, waiting up to ``timeout``
+        seconds; their bundles and actors are released."""
+        import ray
+
+        if self._refused:
+            ended, self._refused = self._refused, []
+            for end in ended:
+                self.running.remove(end.job)
+            return ended
+        leads = {j.handle.runs[0]: j for j in self.running
+                 if isinstance(j.handle, Placed) and j.handle.runs and not j.handle.replacing}
+        again = {j.handle.pg.ready(): j for j in self.running
+                 if isinstance(j.handle, Placed) and j.handle.replacing}
+        refs = [*leads, *again]
+        if not refs:
+            time.sleep(timeout)
+            return []
+        done, _ = ray.wait(refs, num_returns=1, timeout=timeout)
+        ended = []
+        for ref in done:
+            if ref in again:
+                self._launch(again[ref])
+                continue
+            job = leads[ref]
+            end = self._ended(job)
+            if end is not None:
+                ended.append(end)
+                self.running.remove(job)
+        return ended
+
+    def _ended(self, job: Job) -> Ended | None:
+        """What a job whose rank-0 actor returned left; None when it is placed again."""
+        import cloudpickle
+        import ray
+        from ray.exceptions import RayError
+
+        placed: Placed = job.handle
+        try:
+            out: dict[str, Any] = ray.get(placed.runs[0])
+        except RayError as exc:
+            lost = ", ".join(self._ip(n) for n in placed.nodes)
+            why = f"its Ray node {lost} died or lost its actor ({_first_line(exc)})"
+            if placed.attempt < self.retries and job.stopping_since is None:
+                self._replace(job, why)
+                return None
+            self._release(placed, kill=True)
+            self._refresh()
+            return Ended(job, None, why)
+        if len(placed.runs) > 1:
+            # The other nodes' ranks end with rank 0 (their collectives break if not).
+            _, left = ray.wait(placed.runs[1:], num_returns=len(placed.runs) - 1,
+                               timeout=FOLLOWERS_GRACE_S)
+            if left:
+                for actor in placed.actors[1:]:
+                    actor.signal.remote(signal.SIGKILL)
+        self._release(placed)
+        code = out["codes"][0]
+        name = _signal_name(-code) if code < 0 else None
+        if out["result"] is not None:
+            try:
+                return Ended(job, cloudpickle.loads(out["result"]), signal=name)
+            except Exception:
+                pass  # a torn result: said as a process that left none
+        if code < 0:
+            return Ended(job, None, f"its process was killed by {name or f'signal {-code}'}", name)
+        return Ended(job, None, f"its process exited with code {code} without a result")
+
+    def _replace(self, job: Job, why: str) -> None:
+        """Place a job whose node died again: it continues from its last checkpoint."""
+        placed: Placed = job.handle
+        self._release(placed, kill=True)
+        self._refresh()
+        placed.attempt += 1
+        log.warning("\t#%d: %s; placing it again (hydra.launcher.retries=%d, retry %d), to "
+                    "continue from its last checkpoint", job.idx, why, self.retries,
+                    placed.attempt)
+        config = job.config
+        assert config is not None, "a started job has its config"
+        with open_dict(config):
+            if OmegaConf.select(config, "resume", default=None) in (None, "null"):
+                config.resume = "auto"
+        placed.pg = self._place(placed.need)
+        placed.actors, placed.runs, placed.nodes = [], [], []
+        placed.replacing = True
+
+    def _release(self, placed: Placed, kill: bool = False) -> None:
+        """Give back a job's bundles (and, ``kill``, end its actors first)."""
+        import ray
+
+        for node in self.nodes:
+            share = placed.nodes.count(node.id)
+            node.used_cpus = max(0.0, node.used_cpus - share * placed.need.cpus)
+            node.used_gpus = max(0.0, node.used_gpus - share * placed.need.gpus)
+        placed.nodes = []
+        for actor in placed.actors:
+            if kill:
+                try:
+                    actor.signal.remote(signal.SIGKILL)
+                except Exception:
+                    pass
+            try:
+                ray.kill(actor)
+            except Exception:
+                pass
+        placed.actors = []
+        _remove(placed.pg)
+
+    def stop(self, job: Job, force: bool = False) -> None:
+        placed = job.handle
+        if not isinstance(placed, Placed):
+            return
+        if placed.replacing:  # nothing runs yet: it ends now, unplaced
+            _remove(placed.pg)
+            placed.replacing = False
+            self._refused.append(Ended(job, None, "it was stopped while waiting to be placed "
+                                                  "again after its node died"))
+            return
+        for actor in placed.actors:
+            try:
+                actor.signal.remote(signal.SIGKILL if force else signal.SIGTERM)
+            except Exception:
+                pass
+
+
+def world_ranks(need: Need, addr: str, port: int) -> list[list[dict[str, str]]]:
+    """The env:// variables of every rank of a job over several nodes, by node: node i's
+    ranks are ``i * cpus ... i * cpus + cpus - 1`` (one per worker), rank 0 on the first."""
+    per_node = max(1, need.gpus or need.cpus)
+    size = per_node * need.nodes
+    return [[{"WORLD_SIZE": str(size), "RANK": str(node * per_node + local),
+              "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(per_node),
+              "NODE_RANK": str(node), "GROUP_RANK": str(node),
+              "MASTER_ADDR": addr, "MASTER_PORT": str(port)} for local in range(per_node)]
+            for node in range(need.nodes)]
+
+
+def _ready(pg: Any, timeout: float) -> bool:
+    import ray
+
+    done, _ = ray.wait([pg.ready()], timeout=timeout)
+    return bool(done)
+
+
+def _bundle_nodes(pg: Any, count: int) -> list[str]:
+    """The node id of each bundle of a ready placement group."""
+    from ray.util import placement_group_table
+
+    where = placement_group_table(pg).get("bundles_to_node_id") or {}
+    return [str(where.get(i, "")) for i in range(count)]
+
+
+def _remove(pg: Any) -> None:
+    from ray.util import remove_placement_group
+
+    try:
+        remove_placement_group(pg)
+    except Exception:
+        pass
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _signal_name(number: int) -> str | None:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return None
