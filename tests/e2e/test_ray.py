@@ -20,7 +20,7 @@ from tensorboard.plugins.hparams import metadata
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 TINY = ["data=synthetic", "data.num_samples=64", "data.val_samples=32", "data.shape=[1,8,8]",
         "data.batch_size=16", "trainer.max_steps=2", "trainer.log_every_n_steps=1",
