@@ -87,7 +87,7 @@ def test_workers_that_disagree_with_the_tasks_are_refused(step_env):
                                           r"process\(es\) per node.*or use trainer.gpus=2"):
         world_plan(trainer(gpus=4), world)
     with pytest.raises(ConfigError, match=r"trainer.nodes=3, but the SLURM step's tasks span 1 "
-                                          r"node\(s\): leave trainer.nodes unset"):
+                                          r"node\(s\): the launcher decides the nodes.*srun --nodes=3"):
         world_plan(trainer(nodes=3), world)
     assert world_plan(trainer(procs=2), world).procs == 2
 

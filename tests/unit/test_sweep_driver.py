@@ -141,7 +141,7 @@ def test_a_waiting_job_keeps_its_config_packed_and_an_ended_one_lets_it_go(app, 
     jobs = launcher.backends[0].jobs
     assert [j.subdir for j in jobs] == ["0", "1", "2"]
     assert all(j.config is None and j.packed is None for j in jobs)
-    assert all(r.cfg is None and r.hydra_cfg is None for r in rets)
+    assert [r.cfg.x for r in rets] == [1, 2, 3]  # Hydra's contract: each result its config
 
 
 def test_a_failed_job_fails_alone_unless_fail_fast(app, tmp_path, capsys):

@@ -332,12 +332,10 @@ def _waiting(job: Job) -> Job:
 
 
 def _let_go(job: Job) -> None:
-    """Drop what an ended job no longer needs: its config (about 160 KiB in memory) and the
-    copies of it that its result brought back; its row needs only its outcome."""
+    """Drop the config an ended job no longer needs (about 160 KiB in memory); its row needs
+    only its outcome. Its result keeps the ``cfg`` and ``hydra_cfg`` it brought back, which
+    Hydra's launcher contract gives back to the sweeper."""
     job.config = None
-    if job.ret is not None:
-        job.ret.cfg = None
-        job.ret.hydra_cfg = None
 
 
 def _interruption(job: Job, ended_by: str | None) -> str | None:
