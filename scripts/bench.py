@@ -64,6 +64,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -994,6 +995,12 @@ def _select(cases: list[Case], only: list[str] | None) -> list[Case]:
     return cases
 
 
+# Cases that run commands of their own and print their own table: name -> the bench.
+OWN_CASES: dict[str, Callable[[bool, int, dict, float], str]] = {
+    SEARCH: search_bench, FSDP: fsdp_bench, LOGGERS: loggers_bench, LAUNCHERS: launchers_bench,
+    GAPS: gaps_bench, SAVE: save_bench, SCALE: scale_bench}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="ddpexp vs a hand-written DDP loop")
     p.add_argument("--quick", action="store_true", help="tiny cases, 1 repeat (for the test)")
@@ -1023,9 +1030,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     repeats = args.repeats or (1 if args.quick or args.dry_run else 3)
     skipped: list[str] = []
-    with_search = with_fsdp = with_loggers = with_launchers = False
-    with_gaps = with_save = with_scale = False
+    named = args.cases or []
+    # The cases of their own: search runs by default (not with --quick), the others when named.
+    own = [c for c in OWN_CASES if c in named or (c == SEARCH and not args.quick and not named)]
     if args.gpu:
+        own = []
         cases, skipped = gpu_cases(args.dry_run, args.cases)
         if not args.dry_run:
             import torch
@@ -1034,15 +1043,7 @@ def main(argv: list[str] | None = None) -> None:
                 raise SystemExit("--gpu needs CUDA (torch.cuda.is_available() is false here); "
                                  "--gpu --dry-run runs the GPU cases on the CPU")
     else:
-        with_search = SEARCH in (args.cases or ([] if args.quick else [SEARCH]))
-        with_fsdp = FSDP in (args.cases or [])
-        with_loggers = LOGGERS in (args.cases or [])
-        with_launchers = LAUNCHERS in (args.cases or [])
-        with_gaps = GAPS in (args.cases or [])
-        with_save = SAVE in (args.cases or [])
-        with_scale = SCALE in (args.cases or [])
-        others = [c for c in args.cases or []
-                  if c not in (SEARCH, FSDP, LOGGERS, LAUNCHERS, GAPS, SAVE, SCALE)]
+        others = [c for c in named if c not in OWN_CASES]
         cases = make_cases(args.quick, others or None) if others or not args.cases else []
     peers = args.peers and lightning_installed()
     if args.peers and not peers:
@@ -1075,27 +1076,9 @@ def main(argv: list[str] | None = None) -> None:
             print(line)
     for what in skipped:
         print(f"skipped: {what}")
-    if with_search:
+    for name in own:
         print()
-        print(search_bench(args.quick, repeats, env, args.timeout))
-    if with_fsdp:
-        print()
-        print(fsdp_bench(args.quick, repeats, env, args.timeout))
-    if with_loggers:
-        print()
-        print(loggers_bench(args.quick, repeats, env, args.timeout))
-    if with_launchers:
-        print()
-        print(launchers_bench(args.quick, repeats, env, args.timeout))
-    if with_gaps:
-        print()
-        print(gaps_bench(args.quick, repeats, env, args.timeout))
-    if with_save:
-        print()
-        print(save_bench(args.quick, repeats, env, args.timeout))
-    if with_scale:
-        print()
-        print(scale_bench(args.quick, repeats, env, args.timeout))
+        print(OWN_CASES[name](args.quick, repeats, env, args.timeout))
     if args.json:
         Path(args.json).write_text(json.dumps(
             {f"{c}/{r}": [vars(x) for x in runs] for (c, r), runs in res.runs.items()}, indent=2))
