@@ -39,11 +39,17 @@ class UnreadableRecord(ValueError):
 
 def write_metrics(run_dir: Path, record: dict) -> None:
     """Atomically replace ``run_dir/metrics.json`` with ``record``."""
-    path = Path(run_dir) / METRICS_FILE
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     text = json.dumps(_finite(record), indent=2, default=float, allow_nan=False)
+    replace_text(Path(run_dir) / METRICS_FILE, text + "\n")
+
+
+def replace_text(path: Path, text: str, errors: str = "strict") -> None:
+    """Write ``path`` whole or not at all: the text goes to a temporary file beside it, which
+    then replaces it, so a process killed mid-write (or a full disk) leaves the previous file
+    and no partial one. A failed write is raised naming ``path``."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        tmp.write_text(text + "\n")
+        tmp.write_text(text, errors=errors)
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)

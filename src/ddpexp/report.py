@@ -26,7 +26,6 @@ import csv
 import io
 import json
 import logging
-import os
 import statistics
 import sys
 from collections.abc import Iterable, Sequence
@@ -39,8 +38,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from ddpexp import provenance
-from ddpexp.errors import naming
-from ddpexp.record import METRICS_FILE, UnreadableRecord, read_metrics
+from ddpexp.record import METRICS_FILE, UnreadableRecord, read_metrics, replace_text
 
 FORMATS = ("text", "md", "csv", "json")
 NO_METRICS = "no metrics"
@@ -423,25 +421,13 @@ def write_summary(directory: Path, rows: Sequence[Row]) -> tuple[Path, Path]:
     (one row per configuration); returns the paths of the first two."""
     directory = Path(directory)
     csv_path, md_path = directory / "summary.csv", directory / "summary.md"
-    _replace(csv_path, format_rows(rows, "csv"))
-    _replace(md_path, format_rows(rows, "md"))
+    replace_text(csv_path, format_rows(rows, "csv"))
+    replace_text(md_path, format_rows(rows, "md"))
     if varies_seed(rows):
         groups = group_seeds(rows)
-        _replace(directory / "summary_by_seed.csv", format_groups(groups, "csv"))
-        _replace(directory / "summary_by_seed.md", format_groups(groups, "md"))
+        replace_text(directory / "summary_by_seed.csv", format_groups(groups, "csv"))
+        replace_text(directory / "summary_by_seed.md", format_groups(groups, "md"))
     return csv_path, md_path
-
-
-def _replace(path: Path, text: str) -> None:
-    """Write ``path`` whole or not at all: the table is rewritten as each job ends, and a
-    launcher killed mid-write must leave the previous table."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError as exc:  # a full disk: the old table stays, no partial file beside it
-        tmp.unlink(missing_ok=True)
-        raise naming(exc, path) from None
 
 
 class SweepSummary(Callback):

@@ -33,6 +33,7 @@ from typing import Any
 import ddpexp
 from ddpexp.provenance import git
 from ddpexp.provenance.data import data_record
+from ddpexp.record import replace_text
 
 PROVENANCE_FILE = "provenance.json"
 PATCH_FILE = "code.patch"
@@ -115,10 +116,10 @@ def write(run_dir: Path, *, config: Mapping[str, Any], source: Any, ctx: Any,
         "data": data_record(source, packages),
     }
     for name, text in patches.items():
-        _atomic(run_dir / name, text)
+        replace_text(run_dir / name, text, errors="surrogateescape")
     record["collect_s"] = round(time.perf_counter() - started, 3)
     path = run_dir / file_name(resume)
-    _atomic(path, json.dumps(record, indent=1, default=str) + "\n")
+    replace_text(path, json.dumps(record, indent=1, default=str) + "\n")
     return path
 
 
@@ -326,12 +327,3 @@ def _gpu_driver() -> str | None:
         return None
     found = re.search(r"\b(\d+\.\d+(?:\.\d+)?)\b", first)
     return found.group(1) if found else first
-
-
-def _atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text, errors="surrogateescape")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
