@@ -855,8 +855,9 @@ class StepClock(Callback):
         self.ends.append(time.perf_counter())
 
     def on_fit_end(self, trainer, result):
-        with open(self.path, "w") as f:
-            json.dump(self.ends, f)
+        if trainer.is_main:
+            with open(self.path, "w") as f:
+                json.dump(self.ends, f)
 """
 
 
@@ -939,6 +940,78 @@ def save_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------- the defaults case
+DEFAULTS = "defaults"
+# The overhead case's MLP as a user runs it: 40,000 samples (625 steps an epoch on 2 workers
+# of batch 32), trainer.max_steps and the defaults otherwise, so that epoch ends (validation
+# of the 512-sample split, last.pt and best.pt) fall inside the measured window. Each variant
+# turns one default off; the difference to "defaults" is what that default costs.
+DEFAULT_SAMPLES, DEFAULT_STEPS, DEFAULT_FROM = 40_000, 1500, 20
+DEFAULT_VARIANTS = {
+    "defaults": [],
+    "validation on 1 batch": ["trainer.limit_val_batches=1"],
+    "no checkpoints": ["~callbacks.checkpoint", "trainer.test=false"],
+    "no lr monitor": ["~callbacks.lr_monitor"],
+    "train/* scalars every 500 steps": ["trainer.log_every_n_steps=500"],
+}
+
+
+def defaults_case(quick: bool) -> Case:
+    steps, samples = (60, 1000) if quick else (DEFAULT_STEPS, DEFAULT_SAMPLES)
+    return Case("defaults", "mlp", 32, steps, DEFAULT_FROM, samples=samples)
+
+
+def defaults_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str:
+    """samples/s of the tiny MLP over several epochs, ddpexp at its defaults and with one
+    default off at a time, against the plain loop, each timed by its own loop's clock from
+    the end of step DEFAULT_FROM to the end of the last (ddpexp: a callback the bench loads,
+    rank 0's clock at each optimizer step's end; the plain loop: its own window), so that
+    the epoch ends of ddpexp's defaults count. Alternates the order; paired ratios."""
+    case = defaults_case(quick)
+    rates: dict[str, list[float]] = {name: [] for name in [*DEFAULT_VARIANTS, "plain"]}
+    with tempfile.TemporaryDirectory(prefix="ddpexp-bench-defaults-") as tmp:
+        work = Path(tmp)
+        (work / "bench_clock.py").write_text(_STEP_CLOCK)
+        env = {**env, "PYTHONPATH": os.pathsep.join([tmp, env.get("PYTHONPATH", "")])}
+        for r in range(repeats):
+            names = list(rates)
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                if name == "plain":
+                    rate = run_plain(case, work, env, f"defaults-{r}", timeout).samples_per_s
+                else:
+                    out = work / f"v{names.index(name)}-{r}"
+                    cmd = [sys.executable, "-m", "ddpexp", *case.ddpexp_args(),
+                           *DEFAULT_VARIANTS[name], "+callbacks.clock._target_=bench_clock.StepClock",
+                           f"+callbacks.clock.path={out / 'step_ends.json'}", f"hydra.run.dir={out}"]
+                    run_command(cmd, work, env, timeout)
+                    ends = _step_ends(out)
+                    window = ends[-1] - ends[case.warmup - 1]
+                    rate = (len(ends) - case.warmup) * case.batch_size * case.procs / window
+                    shutil.rmtree(out)
+                assert rate is not None
+                rates[name].append(rate)
+                print(f"[{r + 1}/{repeats}] defaults-case {name:32s} samples/s {rate:7.0f}  "
+                      f"load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+    plain = statistics.median(rates["plain"])
+    base = [a / b for a, b in zip(rates["defaults"], rates["plain"], strict=True)]
+    lines = [f"MLP, batch 32, 2 procs, {case.steps} steps over {case.num_samples} samples "
+             f"({case.num_samples // (case.batch_size * case.procs)} steps an epoch), timed from "
+             f"step {case.warmup} to the last; medians of {repeats} round(s), load average "
+             f"{os.getloadavg()[0]:.1f} at the end", "",
+             "| ddpexp | samples/s | / plain (paired) | / defaults (paired) |", "|---|---|---|---|"]
+    for name in DEFAULT_VARIANTS:
+        mine = rates[name]
+        vs_plain = [a / b for a, b in zip(mine, rates["plain"], strict=True)]
+        vs_defaults = [a / b for a, b in zip(mine, rates["defaults"], strict=True)]
+        lines.append(f"| {name} | {statistics.median(mine):.0f} | {statistics.median(vs_plain):.3f} "
+                     f"| {statistics.median(vs_defaults):.3f} |")
+    lines.append(f"| (plain loop) | {plain:.0f} | 1.000 | |")
+    ratio = statistics.median(base)
+    lines += ["", f"defaults: samples/s ratio {ratio:.3f} (target >= 1.0): "
+              f"{'met' if ratio >= 1.0 else 'MISSED'}"]
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------- main
 def make_cases(quick: bool, only: list[str] | None) -> list[Case]:
     if quick:
@@ -998,7 +1071,7 @@ def _select(cases: list[Case], only: list[str] | None) -> list[Case]:
 # Cases that run commands of their own and print their own table: name -> the bench.
 OWN_CASES: dict[str, Callable[[bool, int, dict, float], str]] = {
     SEARCH: search_bench, FSDP: fsdp_bench, LOGGERS: loggers_bench, LAUNCHERS: launchers_bench,
-    GAPS: gaps_bench, SAVE: save_bench, SCALE: scale_bench}
+    GAPS: gaps_bench, SAVE: save_bench, SCALE: scale_bench, DEFAULTS: defaults_bench}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -1012,6 +1085,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "sweep under ddpexp's and Hydra's launchers, gaps: the search's slot "
                         "gaps over 8 and 32 trials, save: the loop's stall at a checkpoint with "
                         "trainer.async_save on and off, scale: sweeps of 8, 32 and 64 tiny jobs, "
+                        "defaults: the tiny MLP over epochs at ddpexp's defaults and with each "
+                        "off, "
                         "each only when named)")
     p.add_argument("--peers", action="store_true",
                    help="add Lightning (scripts/lightning_ddp.py) where it is installed")
