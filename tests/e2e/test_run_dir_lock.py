@@ -11,7 +11,7 @@ import socket
 from pathlib import Path
 
 import pytest
-from helpers import finish, read_metrics, run_cli, start_cli
+from helpers import finish, read_metrics, run_cli, start_cli, stop_session
 from test_checkpoint_signals import HUGE, LONG, wait_for
 
 
@@ -40,7 +40,7 @@ def test_resume_into_a_live_run_is_refused_until_it_ends(workdir):
         assert (held["host"], held["pid"]) == (socket.gethostname(), first.pid)
         # Frozen (alive, writing nothing) while the second process tries, so that whatever
         # changes in the dir meanwhile is the second process's doing.
-        os.killpg(first.pid, signal.SIGSTOP)
+        stop_session(first.pid)
         before = snapshot(run_dir)
         # Refused before Hydra starts (resume= names the dir), and by the run's own claim
         # of the lock (a run dir the command line names only through an interpolation).

@@ -25,6 +25,7 @@ from helpers.cli import (
                          run_printed,
                          session_pids,
                          start_cli,
+                         stop_session,
 )
 from helpers.files import write_cifar10, write_idx, write_imagefolder, write_mnist
 from helpers.tensors import assert_same_tensors
@@ -32,6 +33,7 @@ from helpers.tensors import assert_same_tensors
 __all__ = [
     "FAST", "CliResult", "assert_same_tensors", "build_trainer", "compose_config", "finish",
     "kill_session", "one_worker", "only_run_dir", "read_metrics", "read_scalars", "run_cli",
-    "run_cli_here", "run_cli_in_process", "run_dirs", "run_printed", "session_pids", "start_cli", "write_cifar10",
+    "run_cli_here", "run_cli_in_process", "run_dirs", "run_printed", "session_pids", "start_cli", "stop_session",
+    "write_cifar10",
     "write_idx", "write_imagefolder", "write_mnist",
 ]

@@ -48,6 +48,34 @@ def kill_session(sid: int) -> list[int]:
     return left
 
 
+def _stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is stopped (or gone)."""
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return True
+    for task in tasks:
+        try:
+            state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in ("T", "t", "Z", "X"):
+            return False
+    return True
+
+
+def stop_session(sid: int, timeout: float = 10) -> None:
+    """SIGSTOP every process of session ``sid`` and return once every thread of each is
+    stopped: a signal is delivered asynchronously, and a thread inside a system call (a
+    checkpoint writer's rename) finishes it before it stops."""
+    os.killpg(sid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while not all(_stopped(pid) for pid in session_pids(sid)):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"session {sid} did not stop within {timeout} s")
+        time.sleep(0.02)
+
+
 @dataclass
 class CliResult:
     returncode: int
