@@ -4,7 +4,6 @@ every sweep a ``python -m ddpexp -m`` that connects to it by its address."""
 
 from __future__ import annotations
 
-import csv
 import re
 import signal
 import time
@@ -13,7 +12,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from helpers import finish, read_metrics, run_cli, start_cli
+from helpers import finish, journal_study, read_metrics, run_cli, start_cli, summary_by_job
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import metadata
 
@@ -119,11 +118,6 @@ def ray_sweep(cluster: RayCluster, workdir: Path, *overrides: str, expect_ok: bo
     return res, sweep_dir
 
 
-def summary(sweep_dir: Path) -> dict[str, dict]:
-    with open(sweep_dir / "summary.csv", newline="") as f:
-        return {r["job"]: r for r in csv.DictReader(f)}
-
-
 def _time(stamp: str) -> float:
     return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
@@ -144,7 +138,7 @@ def timeline(output: str) -> dict[int, dict]:
 def test_a_sweep_of_one_and_two_worker_jobs_fills_the_cluster(cluster: RayCluster,
                                                               workdir: Path) -> None:
     res, sweep_dir = ray_sweep(cluster, workdir, "trainer.procs=1,2", "optimizer.lr=0.05,0.1")
-    rows = summary(sweep_dir)
+    rows = summary_by_job(sweep_dir)
     assert sorted(rows) == ["0", "1", "2", "3"]
     for job, row in rows.items():
         run_dir = sweep_dir / job
@@ -189,7 +183,7 @@ def test_a_raising_job_fails_its_row_and_a_too_large_one_is_refused(cluster: Ray
     res, sweep_dir = ray_sweep(cluster, workdir, "trainer.procs=1,3",
                                "optimizer.momentum=0.9,-1", expect_ok=False)
     assert res.returncode != 0
-    rows = summary(sweep_dir)
+    rows = summary_by_job(sweep_dir)
     assert [rows[j]["status"] for j in "0123"] == ["completed", "failed", "failed", "failed"]
     assert "Invalid momentum value" in rows["1"]["error"]
     for job in "23":  # trainer.procs=3: more than any node has, never placed
@@ -271,7 +265,7 @@ def test_ctrl_c_stops_the_jobs_and_resume_auto_finishes_the_sweep(cluster: RayCl
     assert res.returncode != 0 and "resume=auto" in res.output
     assert "#1 ended (interrupted by SIGTERM)" in res.output
     assert read_metrics(sweep_dir / "1")["status"] == "interrupted"
-    rows = summary(sweep_dir)
+    rows = summary_by_job(sweep_dir)
     assert [rows[j]["status"] for j in "01"] == ["completed", "interrupted"]
     before = {p: p.stat().st_mtime_ns for p in (sweep_dir / "0").rglob("*") if p.is_file()}
 
@@ -281,30 +275,20 @@ def test_ctrl_c_stops_the_jobs_and_resume_auto_finishes_the_sweep(cluster: RayCl
     metrics = read_metrics(sweep_dir / "1")
     assert metrics["status"] == "completed" and metrics["steps"] == 300
     assert "resumed from" in (sweep_dir / "1" / "ddpexp.log").read_text()
-    assert [r["status"] for r in summary(sweep_dir).values()] == ["completed"] * 2
+    assert [r["status"] for r in summary_by_job(sweep_dir).values()] == ["completed"] * 2
 
 
 @pytest.mark.timeout(900)
 def test_an_async_search_on_ray_prunes_and_resumes_to_more_trials(cluster: RayCluster,
                                                                   workdir: Path) -> None:
-    import optuna
     from optuna.trial import TrialState
 
-    from ddpexp.runtime import trial as pruning
-    from ddpexp.sweep import search as _search
-
     sweep_dir = workdir / "sweep"
-
-    def study() -> optuna.Study:
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-        return optuna.create_study(study_name="ddpexp", direction="maximize",
-                                   load_if_exists=True, storage=pruning.journal_storage(
-                                       str(sweep_dir / _search.JOURNAL)))
 
     # Two good trials first, then one that cannot learn (lr=0), asked once a slot frees,
     # when a good one has completed: the median pruner stops it after its first epoch.
     for lr, epochs in ((0.1, 2), (0.1, 2), (0.0, 3)):
-        study().enqueue_trial({"optimizer.lr": lr, "trainer.max_epochs": epochs})
+        journal_study(sweep_dir).enqueue_trial({"optimizer.lr": lr, "trainer.max_epochs": epochs})
     args = ["-m", "hydra/launcher=ray", f"hydra.launcher.address={cluster.address}",
             "hydra/sweeper=optuna_async", *TINY, "trainer.max_steps=null",
             "data.num_samples=128", "resume=auto", f"hydra.sweep.dir={sweep_dir}",
@@ -313,7 +297,7 @@ def test_an_async_search_on_ray_prunes_and_resumes_to_more_trials(cluster: RayCl
             "hydra.sweeper.pruner.n_startup_trials=1",
             "optimizer.lr=choice(0.1,0.05,0.0)", "trainer.max_epochs=range(1,3)"]
     run_cli([*args, "hydra.sweeper.n_trials=8"], workdir, timeout=600)
-    trials = study().trials
+    trials = journal_study(sweep_dir).trials
     assert len(trials) == 8 and all(t.state.is_finished() for t in trials)
     assert trials[2].state == TrialState.PRUNED
     assert read_metrics(sweep_dir / "2")["status"] == "pruned"
@@ -322,11 +306,11 @@ def test_an_async_search_on_ray_prunes_and_resumes_to_more_trials(cluster: RayCl
 
     res = run_cli([*args, "hydra.sweeper.n_trials=10"], workdir, timeout=300)
     assert "8 trial(s) done before, 0 to resume, 2 to ask" in res.output
-    trials = study().trials
+    trials = journal_study(sweep_dir).trials
     assert len(trials) == 10 and all(t.state.is_finished() for t in trials)
     # None of the first eight ran again.
     assert {p: p.stat().st_mtime_ns for p in sweep_dir.glob("[0-7]/**/*") if p.is_file()} == before
-    assert len(summary(sweep_dir)) == 10
+    assert len(summary_by_job(sweep_dir)) == 10
 
 
 @pytest.mark.timeout(600)
@@ -353,7 +337,7 @@ def test_a_killed_node_fails_its_job_and_the_others_complete(cluster: RayCluster
     jobs = timeline(res.output)
     assert jobs[0]["outcome"] == "failed" and jobs[0]["end"] - killed < 30
     assert jobs[1]["nodes"] == [cluster.worker] and jobs[1]["outcome"] == "completed"
-    rows = summary(sweep_dir)
+    rows = summary_by_job(sweep_dir)
     assert rows["0"]["status"] == "failed" and "died" in rows["0"]["error"]
     assert rows["1"]["status"] == "completed"
 

@@ -4,7 +4,6 @@ through the CLI (every trial a real job process)."""
 
 from __future__ import annotations
 
-import csv
 import re
 import signal
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
-from helpers import finish, read_metrics, run_cli, start_cli
+from helpers import finish, journal_study, read_metrics, run_cli, start_cli, summary_by_job
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
@@ -25,17 +24,6 @@ from ddpexp.sweep import search as _search
 from ddpexp.sweep import space as _space
 
 QUICK = ["hydra/sweeper=optuna_async", "trainer.log_every_n_steps=100000", "trainer.test=false"]
-
-
-def _study(sweep_dir: Path, direction: str = "maximize") -> optuna.Study:
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    return optuna.create_study(study_name="ddpexp", direction=direction, load_if_exists=True,
-                               storage=pruning.journal_storage(str(sweep_dir / _search.JOURNAL)))
-
-
-def _summary(sweep_dir: Path) -> dict[str, dict]:
-    with open(sweep_dir / "summary.csv", newline="") as f:
-        return {r["job"]: r for r in csv.DictReader(f)}
 
 
 # ------------------------------------------------------------------------------ in-process
@@ -141,7 +129,7 @@ def test_reporter_reports_to_its_trial_and_the_median_pruner_answers(tmp_path: P
                                                                      monkeypatch) -> None:
     monkeypatch.delenv(pruning.ENV, raising=False)
     assert trial_side.from_env() is None and not trial_side.in_trial()
-    study = _study(tmp_path)
+    study = journal_study(tmp_path)
     for good in (0.9, 0.8):  # two completed trials with a value at every epoch
         trial = study.ask()
         for epoch in range(3):
@@ -165,7 +153,7 @@ def test_reporter_reports_to_its_trial_and_the_median_pruner_answers(tmp_path: P
 @pytest.mark.slow
 def test_search_keeps_both_slots_busy_prunes_and_survives_a_failed_trial(workdir: Path) -> None:
     sweep_dir = workdir / "sweep"
-    study = _study(sweep_dir)
+    study = journal_study(sweep_dir)
     # Four trials queued first, in this order (optuna's enqueue_trial, asked before any
     # sampled one): two good ones, one that fails in torch (a negative learning rate), one
     # that cannot learn (lr=0) and must be pruned once a good one has completed; that one
@@ -180,7 +168,7 @@ def test_search_keeps_both_slots_busy_prunes_and_survives_a_failed_trial(workdir
                    "optimizer.lr=choice(0.1,0.05,0.0,-1.0)", "trainer.max_epochs=range(1,4)",
                    "trainer.procs=choice(1,2)"],
                   workdir, timeout=400)
-    trials = _study(sweep_dir).trials
+    trials = journal_study(sweep_dir).trials
     assert len(trials) == 6 and all(t.state.is_finished() for t in trials)
     assert [t.state for t in trials[:4]] == [TrialState.COMPLETE, TrialState.COMPLETE,
                                              TrialState.FAIL, TrialState.PRUNED]
@@ -211,7 +199,7 @@ def test_search_keeps_both_slots_busy_prunes_and_survives_a_failed_trial(workdir
     assert pruned["status"] == "pruned" and pruned["epochs"] < 3 and pruned["world_size"] == 2
     assert (sweep_dir / "3" / "checkpoints" / "last.pt").is_file()
     assert read_metrics(sweep_dir / "0")["epochs"] == 3
-    rows = _summary(sweep_dir)
+    rows = summary_by_job(sweep_dir)
     assert len(rows) == 6
     assert (rows["0"]["status"], rows["2"]["status"], rows["3"]["status"]) == \
         ("completed", "failed", "pruned")
@@ -232,7 +220,7 @@ def test_search_keeps_both_slots_busy_prunes_and_survives_a_failed_trial(workdir
 @pytest.mark.slow
 def test_fail_fast_stops_the_search_at_the_first_failed_trial(workdir: Path) -> None:
     sweep_dir = workdir / "sweep"
-    _study(sweep_dir).enqueue_trial({"optimizer.lr": -1.0})
+    journal_study(sweep_dir).enqueue_trial({"optimizer.lr": -1.0})
     res = run_cli(["-m", *QUICK, "resume=auto", f"hydra.sweep.dir={sweep_dir}",
                    "hydra.sweeper.n_trials=3", "hydra.launcher.fail_fast=true",
                    "hydra.launcher.max_parallel=1",
@@ -240,14 +228,14 @@ def test_fail_fast_stops_the_search_at_the_first_failed_trial(workdir: Path) -> 
                   workdir, timeout=200, expect_ok=False)
     assert res.returncode != 0
     assert "stopped at the first failed trial" in res.stderr
-    assert [t.state for t in _study(sweep_dir).trials] == [TrialState.FAIL]
+    assert [t.state for t in journal_study(sweep_dir).trials] == [TrialState.FAIL]
     assert not (sweep_dir / "1").exists()
 
 
 @pytest.mark.slow
 def test_interrupted_search_resumes_to_exactly_n_trials(workdir: Path) -> None:
     sweep_dir = workdir / "sweep"
-    study = _study(sweep_dir)
+    study = journal_study(sweep_dir)
     # Trial 0 ends after one short epoch; trial 1 (small batches, more epochs) runs long
     # enough to be cut off after its first checkpoint.
     study.enqueue_trial({"trainer.max_epochs": 1, "data.batch_size": 128})
@@ -262,7 +250,7 @@ def test_interrupted_search_resumes_to_exactly_n_trials(workdir: Path) -> None:
     # search tells the study) and trial 1 past its first checkpoint.
     while not ((sweep_dir / "1" / "checkpoints" / "last.pt").exists()
                and _status(sweep_dir / "0") == "completed"
-               and _study(sweep_dir).trials[0].state == TrialState.COMPLETE):
+               and journal_study(sweep_dir).trials[0].state == TrialState.COMPLETE):
         assert proc.poll() is None and time.time() < deadline, "trial 1 never saved a checkpoint"
         time.sleep(0.1)
     proc.send_signal(signal.SIGINT)  # Ctrl-C
@@ -270,19 +258,19 @@ def test_interrupted_search_resumes_to_exactly_n_trials(workdir: Path) -> None:
     assert not res.leftovers
     assert res.returncode != 0
     assert f"resume=auto hydra.sweep.dir={sweep_dir}" in res.output
-    trials = _study(sweep_dir).trials
+    trials = journal_study(sweep_dir).trials
     assert [t.state for t in trials[:2]] == [TrialState.COMPLETE, TrialState.RUNNING]
     assert read_metrics(sweep_dir / "1")["status"] == "interrupted"
     before = {p: p.stat().st_mtime_ns for p in (sweep_dir / "0").rglob("*") if p.is_file()}
 
     # The same command again: trial 1 continues from its last.pt; the study ends at 3 trials.
     run_cli(args, workdir, timeout=300)
-    trials = _study(sweep_dir).trials
+    trials = journal_study(sweep_dir).trials
     assert len(trials) == 3 and all(t.state == TrialState.COMPLETE for t in trials)
     assert {p: p.stat().st_mtime_ns for p in (sweep_dir / "0").rglob("*") if p.is_file()} == before
     assert "resumed from" in (sweep_dir / "1" / "ddpexp.log").read_text()
     assert read_metrics(sweep_dir / "1")["epochs"] == 6
-    assert len(_summary(sweep_dir)) == 3
+    assert len(summary_by_job(sweep_dir)) == 3
 
 
 JOB_START = re.compile(r"^\[([^\]]+)\]\[HYDRA\]\s+#(\d+) : ")

@@ -5,6 +5,7 @@
   and what a run wrote (``run_dirs``, ``read_metrics``, ``read_scalars``);
 - ``build``: the composed config and a one-process trainer built from it;
 - ``files``: datasets in their real file formats;
+- ``sweeps``: a sweep's summary table and its optuna study;
 - ``tensors``: checkpoints compared tensor by tensor.
 """
 
@@ -28,10 +29,12 @@ from helpers.cli import (
                          stop_session,
 )
 from helpers.files import write_cifar10, write_idx, write_imagefolder, write_mnist
+from helpers.sweeps import journal_study, summary_by_job
 from helpers.tensors import assert_same_tensors
 
 __all__ = [
     "FAST", "CliResult", "assert_same_tensors", "build_trainer", "compose_config", "finish",
+    "journal_study", "summary_by_job",
     "kill_session", "one_worker", "only_run_dir", "read_metrics", "read_scalars", "run_cli",
     "run_cli_here", "run_cli_in_process", "run_dirs", "run_printed", "session_pids", "start_cli", "stop_session",
     "write_cifar10",

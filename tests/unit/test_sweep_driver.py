@@ -4,12 +4,12 @@ tiny app, run in this process one at a time by a backend of this module."""
 
 from __future__ import annotations
 
-import csv
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import summary_by_job
 from hydra import initialize_config_dir
 from hydra._internal.callbacks import Callbacks
 from hydra.core.global_hydra import GlobalHydra
@@ -119,17 +119,12 @@ def app(tmp_path: Path):
     return lambda sweep="sweep", **keys: InlineLauncher(tmp_path / "conf", tmp_path / sweep, **keys)
 
 
-def _rows(sweep_dir: Path) -> dict[str, dict]:
-    with open(sweep_dir / "summary.csv", newline="") as f:
-        return {r["job"]: r for r in csv.DictReader(f)}
-
-
 def test_every_job_runs_and_returns_in_order_and_the_summary_has_a_row_each(app, tmp_path):
     launcher = app()
     rets = launcher.launch([["x=1"], ["x=2"], ["x=3"]])
     assert [r.status for r in rets] == [JobStatus.COMPLETED] * 3
     assert [r.return_value for r in rets] == [0.1, 0.2, 0.3]
-    rows = _rows(tmp_path / "sweep")
+    rows = summary_by_job(tmp_path / "sweep")
     assert sorted(rows) == ["0", "1", "2"] and {r["status"] for r in rows.values()} == {"completed"}
     assert rows["1"]["overrides"] == "x=2"
 
@@ -161,7 +156,7 @@ def test_a_failed_job_fails_alone_unless_fail_fast(app, tmp_path, capsys):
     assert launcher.backends[0].started == [0, 1]
     assert isinstance(rets[2]._return_value, JobSkipped)
     assert "an earlier job failed and hydra.launcher.fail_fast=true" in str(rets[2]._return_value)
-    rows = _rows(tmp_path / "fail_fast")
+    rows = summary_by_job(tmp_path / "fail_fast")
     assert [rows[k]["status"] for k in "012"] == ["completed", "failed", "not run"]
     said = "".join(capsys.readouterr())
     assert "1 of 3 job(s) failed" in said and "1 of 3 job(s) not run" in said
@@ -212,7 +207,7 @@ def test_a_job_over_timeout_s_is_stopped_then_forced(app, tmp_path):
     assert ret.status == JobStatus.FAILED
     assert str(ret._return_value) == ("job 0: it ended when forced to after running over "
                                       "hydra.launcher.timeout_s")
-    assert _rows(tmp_path / "sweep")["0"]["status"] == "failed"
+    assert summary_by_job(tmp_path / "sweep")["0"]["status"] == "failed"
 
 
 @pytest.mark.parametrize("target,drives", [
