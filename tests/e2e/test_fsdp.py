@@ -116,7 +116,10 @@ def test_gpt_blocks_tied_weights_and_activation_checkpointing(workdir):
     common = ["task=lm", "model=gpt", "data=text", "data.path=text.txt", "data.block_size=16",
               "data.train_stride=8", "model.n_layer=2", "model.n_embd=32", "model.n_head=2",
               "model.dropout=0.1", "trainer.max_steps=2", "trainer.test=false", "optimizer=adamw",
-              "trainer.log_every_n_steps=1", *GRADS]
+              "trainer.log_every_n_steps=1", *GRADS,
+              # A stalled rank is named with its stack (the watchdog) and the sweep's own
+              # timeout comes before pytest's, with the output: a hang reads as a message.
+              "trainer.dist_timeout_s=60"]
     two, four = ["trainer.procs=2", "data.batch_size=8"], ["trainer.procs=4", "data.batch_size=4"]
     common.append("+callbacks.model_state._target_=ddpexp.callbacks.ModelStateSize")
     ac = "trainer.activation_checkpointing=true"
@@ -126,7 +129,7 @@ def test_gpt_blocks_tied_weights_and_activation_checkpointing(workdir):
         "fsdp_ac": ["trainer.strategy=fsdp", ac, *two],
         "ddp_4": ["trainer.strategy=ddp", *four],
         "fsdp_ac_4": ["trainer.strategy=fsdp", ac, *four],
-    }, common)
+    }, common, timeout=240)
     reference = grads(runs["ddp"])
     assert "tok.weight" in reference[0]  # the tied weight, once
     for name in ("ddp_ac", "fsdp_ac"):
