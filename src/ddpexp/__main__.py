@@ -67,13 +67,14 @@ def _stopped_before_the_run() -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while this tidies up
     # Nothing is imported here: the Ctrl-C may have cut an import short (Hydra's, half
-    # done). A run dir was claimed only if the module that claims them was loaded.
-    rundir = sys.modules.get("ddpexp.config.rundir")
-    if rundir is not None:
-        rundir.drop_unstarted_claims()
-    forkserver = sys.modules.get("ddpexp.sweep.forkserver")
-    if forkserver is not None:
-        forkserver.discard_early()
+    # done, or the very module named here: then its functions may not be defined yet). A run
+    # dir was claimed only if the module that claims them was loaded.
+    drop_claims = getattr(sys.modules.get("ddpexp.config.rundir"), "drop_unstarted_claims", None)
+    if drop_claims is not None:
+        drop_claims()
+    discard = getattr(sys.modules.get("ddpexp.sweep.forkserver"), "discard_early", None)
+    if discard is not None:
+        discard()
     if _full_error():
         raise KeyboardInterrupt
     print("stopped by SIGINT before the run started; nothing was saved", file=sys.stderr)

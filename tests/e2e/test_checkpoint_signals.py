@@ -276,13 +276,25 @@ def test_one_ctrl_c_before_the_first_checkpoint_lets_the_same_command_start_agai
 
 
 def test_ctrl_c_while_python_starts_is_one_line_and_no_run_dir(workdir):
-    """Ctrl-C half a second in (imports, Hydra composing the config): exit status 130, one
-    line, no traceback, and no run dir."""
-    proc = start_cli(EARLY, workdir)
-    time.sleep(0.5)
+    """Ctrl-C while Python imports and Hydra is yet to compose the config: exit status 130,
+    one line, no traceback, and no run dir. The moment is read, not guessed: Python's
+    import-time log (-X importtime, on stderr) names each module as its import ends, and
+    the signal goes as soon as the CLI has imported what it imports once its own Ctrl-C
+    handler is in place (ddpexp.launch.world), long before a run dir is made."""
+    log = workdir / "stderr.txt"
+    proc = start_cli(EARLY, workdir, env={"PYTHONPROFILEIMPORTTIME": "1"}, stderr_to=log)
+    deadline = time.time() + 60
+    while not log.read_text().rstrip(" ").count("| ddpexp.launch.world\n"):
+        if proc.poll() is not None or time.time() > deadline:
+            res = finish(proc, 10)
+            pytest.fail(f"ddpexp.launch.world never imported (exit {res.returncode})\n"
+                        f"{res.stdout}{log.read_text()[-3000:]}")
+        time.sleep(0.01)
     os.killpg(proc.pid, signal.SIGINT)
     res = finish(proc, 60)
+    stderr = "".join(line for line in log.read_text().splitlines(keepends=True)
+                     if not line.startswith("import time:"))
     assert not res.leftovers
-    assert res.returncode == 130, res.output
-    assert res.stderr == "stopped by SIGINT before the run started; nothing was saved\n"
+    assert res.returncode == 130, res.stdout + stderr
+    assert stderr == "stopped by SIGINT before the run started; nothing was saved\n"
     assert not run_dirs(workdir / "outputs")

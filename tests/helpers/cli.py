@@ -89,14 +89,21 @@ class CliResult:
 
 
 def start_cli(args: Sequence[str], cwd: Path, env: dict | None = None,
-              module: str = "ddpexp") -> subprocess.Popen:
-    """Start ``python -m ddpexp ARGS`` in a new session (so the whole tree can be found)."""
+              module: str = "ddpexp", stderr_to: Path | None = None) -> subprocess.Popen:
+    """Start ``python -m ddpexp ARGS`` in a new session (so the whole tree can be found).
+    ``stderr_to``: a file that takes its stderr (read while it runs) instead of a pipe."""
     full_env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     full_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
-    return subprocess.Popen(
-        [sys.executable, "-m", module, *args], cwd=cwd, env=full_env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )
+    if stderr_to is None:
+        return subprocess.Popen(
+            [sys.executable, "-m", module, *args], cwd=cwd, env=full_env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )
+    with stderr_to.open("w") as err:
+        return subprocess.Popen(
+            [sys.executable, "-m", module, *args], cwd=cwd, env=full_env,
+            stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
+        )
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> CliResult:
