@@ -61,7 +61,9 @@ class RayCluster:
 
 def _cluster_pids(address: str) -> list[int]:
     """Processes whose command line names the cluster's address (GCS, raylets, workers), and
-    job processes the launcher's actors started (their spec in a ``ddpexp-ray-job-`` dir)."""
+    what the launcher's node agents started: their fork servers and the job processes forked
+    from them (``ddpexp.sweep.ray_job`` among the modules it preloads), and job processes
+    started afresh (their spec in a ``ddpexp-ray-job-`` dir)."""
     port = address.rsplit(":", 1)[1]
     pids = []
     for entry in Path("/proc").iterdir():
@@ -70,7 +72,8 @@ def _cluster_pids(address: str) -> list[int]:
                 cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:
                 continue
-            if (f":{port}" in cmd or "ddpexp-ray-job-" in cmd) and "pytest" not in cmd:
+            if ((f":{port}" in cmd or "ddpexp-ray-job-" in cmd or "ddpexp.sweep.ray_job" in cmd)
+                    and "pytest" not in cmd):
                 pids.append(int(entry.name))
     return pids
 

@@ -20,7 +20,8 @@ child); where that does not hold, or the server cannot start, the launcher start
 and the rest, in a fresh interpreter, with one warning.
 
 The launcher and the server talk over two pipes, one JSON object per line: the launcher
-sends ``{"id", "spec", "result", "env", "cwd"}``, the server answers ``{"id", "pid"}`` or
+sends ``{"id", "spec", "result", "env", "cwd"}`` (and ``"call"``, another entry point than
+the job's), the server answers ``{"id", "pid"}`` or
 ``{"id", "error"}``, and ``{"exit": pid, "code": c}`` when a child ends (``code`` as
 ``Popen.returncode`` gives it: negative for a signal). The server ends when the launcher's
 end of its pipe closes.
@@ -165,10 +166,18 @@ def _child(request: dict, requests: int, out: Any) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
-        sys.argv = ["ddpexp.sweep.job", request["spec"], request["result"]]
-        from ddpexp.sweep import job
+        call = request.get("call")
+        if call:  # another entry point than a job's, e.g. a rank of a job over nodes
+            import importlib
 
-        code = job.main(request["spec"], request["result"])
+            module, _, name = call.partition(":")
+            sys.argv = [module]
+            code = getattr(importlib.import_module(module), name)()
+        else:
+            sys.argv = ["ddpexp.sweep.job", request["spec"], request["result"]]
+            from ddpexp.sweep import job
+
+            code = job.main(request["spec"], request["result"])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:
@@ -278,9 +287,11 @@ class ForkServer:
             self.broken = why
             log.warning("ddp launcher: jobs start in a fresh interpreter each: %s", why)
 
-    def spawn(self, spec: Path, result: Path, env: dict[str, str]) -> ForkedJob | None:
+    def spawn(self, spec: Path, result: Path, env: dict[str, str],
+              call: str | None = None) -> ForkedJob | None:
         """A forked job process running ``spec``, or None when the job must start in a
-        fresh interpreter instead."""
+        fresh interpreter instead. ``call`` (``module:function``, of a module the server
+        imported) runs that function, which returns the exit code, instead of the job."""
         if self.broken is not None or self._to_server is None:
             return None
         with self._lock:
@@ -289,7 +300,7 @@ class ForkServer:
             self._next_id += 1
             request_id = self._next_id
         request = {"id": request_id, "spec": str(spec), "result": str(result), "env": env,
-                   "cwd": os.getcwd()}
+                   "cwd": os.getcwd(), **({"call": call} if call else {})}
         try:
             os.write(self._to_server, (json.dumps(request) + "\n").encode())
         except OSError as exc:

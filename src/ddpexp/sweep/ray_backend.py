@@ -3,12 +3,15 @@
 
 A job reserves a Ray placement group: per node of the job one bundle of its workers' CPUs
 (``trainer.procs``, a CPU each) and GPUs (``trainer.gpus``), as Ray counts them; one bundle
-per node rather than per worker because the job's process is one Ray actor, which holds one
-bundle, and must see every GPU its workers use. A job on one node is one bundle; one with
+per node rather than per worker because the job's processes on a node are started together
+and must see every GPU its workers use. A job on one node is one bundle; one with
 ``trainer.nodes=N`` is N bundles on N different nodes (``STRICT_SPREAD``), joined as an
-env:// world whose address is the first bundle's node. In each bundle a
-:class:`~ddpexp.sweep.ray_job.JobRunner` actor runs the job's processes
-(:mod:`ddpexp.sweep.ray_job`).
+env:// world whose address is the first bundle's node. The sweep keeps one
+:class:`~ddpexp.sweep.ray_job.NodeAgent` actor per node (no resources of its own), which
+forks the processes of each job whose bundle is on its node from a server that imported
+torch, Hydra and ddpexp once (:mod:`ddpexp.sweep.ray_job`): a job starts within a second
+of its bundles being reserved, not after a fresh Ray worker and a fresh interpreter. A job
+with GPUs sees its bundle's GPUs, as a task in that bundle reads them from Ray.
 
 A job starts as soon as some node has its bundle free (:meth:`RayBackend.start` checks
 the nodes' room as this sweep holds it, then waits briefly for the placement group); the
@@ -60,9 +63,14 @@ STORAGE_CHECK_S = 120.0
 NO_ROOM_S = 1.0
 # The local Ray a sweep without an address starts: this machine's cores, up to 2.
 LOCAL_CPUS = 2
-# Ray's worker processes run at niceness 15 by default; the job's training is the point of
-# the worker, so it runs at normal priority (what Ray's own job supervisor asks for).
+# Ray's worker processes run at niceness 15 by default; the jobs' training is the point of
+# the node's agent, so it (and what it forks) runs at normal priority (what Ray's own job
+# supervisor asks for).
 RUNNER_ENV = {"RAY_worker_niceness": "0"}
+# Calls that each node's agent takes at once: a run() per job on the node, and signal()s.
+AGENT_CONCURRENCY = 64
+# How long the agents have to close their fork servers as the sweep ends.
+CLOSE_S = 5.0
 
 
 # ------------------------------------------------------------------------------ sizes
@@ -177,19 +185,23 @@ class Placed:
 
     need: Need
     pg: Any
-    # Its bundles' node ids, once placed; its actors and their run() refs, once launched.
+    # Its bundles' node ids, once placed; their nodes' agents and the agents' run() refs,
+    # once launched.
     nodes: list[str] = field(default_factory=list)
-    actors: list[Any] = field(default_factory=list)
+    agents: list[Any] = field(default_factory=list)
     runs: list[Any] = field(default_factory=list)
+    # The job's name with its agents (its index and attempt).
+    key: str = ""
     attempt: int = 0
     # A placement asked again after a node died (retries): not yet launched.
     replacing: bool = False
 
 
 class RayBackend(Backend):
-    """Jobs as Ray actors in placement groups: :meth:`start` reserves a job's bundles and
-    starts its actors, :meth:`wait` takes the jobs Ray reports ended (first finished),
-    :meth:`stop` signals the job's processes on their nodes."""
+    """Jobs in Ray placement groups, run by each node's agent: :meth:`start` reserves a
+    job's bundles and has the agents of their nodes start its processes, :meth:`wait` takes
+    the jobs Ray reports ended (first finished), :meth:`stop` signals the job's processes on
+    their nodes."""
 
     def __init__(self, launcher: Any) -> None:
         self.launcher = launcher
@@ -207,7 +219,8 @@ class RayBackend(Backend):
         self._refused: list[Ended] = []
         self._connected = False
         self._storage_checked = False
-        self._runner: Any = None
+        self._agent_class: Any = None
+        self.agents: dict[str, Any] = {}  # node id -> its NodeAgent actor
 
     # -------------------------------------------------------------- the cluster
     def __enter__(self) -> RayBackend:
@@ -225,9 +238,9 @@ class RayBackend(Backend):
                                   " Give the address of a running cluster's head (ray status "
                                   "prints it)") from None
         self._connected = True
-        from ddpexp.sweep.ray_job import JobRunner
+        from ddpexp.sweep.ray_job import NodeAgent
 
-        self._runner = ray.remote(JobRunner)
+        self._agent_class = ray.remote(NodeAgent)
         self._refresh()
         log.info("Ray cluster %s: %d node(s): %s", self.address or "of this machine",
                  len(self.nodes), "; ".join(f"{n.ip} (node {n.id[:8]}) {_amount(n.cpus, n.gpus)}"
@@ -258,14 +271,9 @@ class RayBackend(Backend):
         """Refuse a sweep dir that a node of the cluster cannot write (every job writes its
         run dir there, from whichever node it runs on), with one message naming the nodes."""
         import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        from ddpexp.sweep.ray_job import cannot_write
 
         self._storage_checked = True
-        check = ray.remote(cannot_write)
-        refs = [check.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
-            n.id, soft=False)).remote(sweep_dir) for n in self.nodes]
+        refs = [self._agent(n.id).cannot_write.remote(sweep_dir) for n in self.nodes]
         try:
             answers = ray.get(refs, timeout=STORAGE_CHECK_S)
         except Exception as exc:  # a node that cannot run a task at all: its jobs will say
@@ -291,6 +299,9 @@ class RayBackend(Backend):
                     self._release(job.handle, kill=True)
             for pg in self._waiting.values():
                 _remove(pg)
+            closing = [agent.close.remote() for agent in self.agents.values()]
+            ray.wait(closing, num_returns=len(closing), timeout=CLOSE_S)
+            self.agents.clear()
         finally:
             ray.shutdown()
             self._connected = False
@@ -305,6 +316,23 @@ class RayBackend(Backend):
             node.used_cpus, node.used_gpus = used.get(node.id, (0.0, 0.0))
         known = {n.id for n in self.seen}
         self.seen += [Node(n.id, n.ip, n.cpus, n.gpus) for n in self.nodes if n.id not in known]
+        alive = {n.id for n in self.nodes}
+        for gone in [i for i in self.agents if i not in alive]:
+            del self.agents[gone]
+
+    def _agent(self, node_id: str) -> Any:
+        """The agent of a node, started for the sweep the first time a node needs it."""
+        agent = self.agents.get(node_id)
+        if agent is None:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            agent = self._agent_class.options(
+                num_cpus=0, max_concurrency=AGENT_CONCURRENCY, max_restarts=0,
+                runtime_env={"env_vars": RUNNER_ENV},
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            ).remote()
+            self.agents[node_id] = agent
+        return agent
 
     def describe(self) -> str:
         where = f"at {self.address}" if self.address else "of this machine, started for the sweep"
@@ -324,8 +352,11 @@ class RayBackend(Backend):
         """Reserve the job's bundles and start it; False when the cluster has no room for it
         now. A job that no node could ever hold is taken and reported ended (refused)."""
         if not self._storage_checked and job.config is not None:
-            # The sweep dir as the driver resolved it into the job's config, once.
+            # The sweep dir as the driver resolved it into the job's config, once; then the
+            # nodes' fork servers import while the first jobs are placed.
             self._check_storage(str(job.config.hydra.sweep.dir))
+            for agent in self.agents.values():
+                agent.warm.remote()
         need = need_of(job)
         refused = too_large(need, self.seen)
         if refused is not None:
@@ -362,7 +393,7 @@ class RayBackend(Backend):
                                strategy="PACK" if need.nodes == 1 else "STRICT_SPREAD")
 
     def _launch(self, job: Job) -> None:
-        """Start the actors of a placed job and its processes in them."""
+        """Have the agents of a placed job's nodes start its processes."""
         import cloudpickle
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -375,16 +406,19 @@ class RayBackend(Backend):
             node.used_cpus += share * placed.need.cpus
             node.used_gpus += share * placed.need.gpus
         need = placed.need
-        placed.actors = [
-            self._runner.options(
-                num_cpus=need.cpus, num_gpus=need.gpus, max_concurrency=2, max_restarts=0,
-                runtime_env={"env_vars": RUNNER_ENV},
+        placed.agents = [self._agent(node) for node in placed.nodes]
+        gpu_ids: Sequence[list[str] | None] = [None] * need.nodes
+        if need.gpus:
+            # The GPUs Ray gave each bundle, as a task in it sees them.
+            task = ray.remote(_gpu_ids)
+            gpu_ids = ray.get([task.options(
+                num_cpus=0, num_gpus=need.gpus, max_retries=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placed.pg, placement_group_bundle_index=i),
-            ).remote() for i in range(need.nodes)]
+                    placed.pg, placement_group_bundle_index=i)).remote()
+                for i in range(need.nodes)], timeout=120)
         ranks: list[list[dict[str, str]]] = [[{}]]
         if need.nodes > 1:
-            addr, port = ray.get(placed.actors[0].where.remote(), timeout=120)
+            addr, port = ray.get(placed.agents[0].where.remote(), timeout=120)
             ranks = world_ranks(need, addr, port)
             config = job.config
             assert config is not None, "a started job has its config"
@@ -396,7 +430,9 @@ class RayBackend(Backend):
         spec = pickle.dumps({"sys_path": list(sys.path), "cores": []})
         spec += cloudpickle.dumps(payload(self.launcher, job))
         ref = ray.put(spec)
-        placed.runs = [actor.run.remote(ref, env, ranks[i]) for i, actor in enumerate(placed.actors)]
+        placed.key = f"{job.idx}.{placed.attempt}"
+        placed.runs = [agent.run.remote(placed.key, ref, env, ranks[i], gpu_ids[i])
+                       for i, agent in enumerate(placed.agents)]
         again = f", attempt {placed.attempt + 1}" if placed.attempt else ""
         log.info("\t%s  [Ray: %s on %s%s]", job.label, _amount(need.cpus, need.gpus),
                  ", ".join(self._ip(n) for n in placed.nodes), again)
@@ -409,7 +445,7 @@ class RayBackend(Backend):
 
     def wait(self, timeout: float) -> list[Ended]:
         """The jobs that ended, the first Ray reports first, waiting up to ``timeout``
-        seconds; their bundles and actors are released."""
+        seconds; their bundles are released."""
         import ray
 
         if self._refused:
@@ -439,7 +475,7 @@ class RayBackend(Backend):
         return ended
 
     def _ended(self, job: Job) -> Ended | None:
-        """What a job whose rank-0 actor returned left; None when it is placed again."""
+        """What a job whose rank-0 run returned left; None when it is placed again."""
         import cloudpickle
         import ray
         from ray.exceptions import RayError
@@ -449,7 +485,10 @@ class RayBackend(Backend):
             out: dict[str, Any] = ray.get(placed.runs[0])
         except RayError as exc:
             lost = ", ".join(self._ip(n) for n in placed.nodes)
-            why = f"its Ray node {lost} died or lost its actor ({_first_line(exc)})"
+            why = f"its Ray node {lost} died or lost its agent ({_first_line(exc)})"
+            for node, agent in zip(placed.nodes, placed.agents, strict=False):
+                if self.agents.get(node) is agent:  # a node that lives on gets a new one
+                    del self.agents[node]
             if placed.attempt < self.retries and job.stopping_since is None:
                 self._replace(job, why)
                 return None
@@ -461,8 +500,8 @@ class RayBackend(Backend):
             _, left = ray.wait(placed.runs[1:], num_returns=len(placed.runs) - 1,
                                timeout=FOLLOWERS_GRACE_S)
             if left:
-                for actor in placed.actors[1:]:
-                    actor.signal.remote(signal.SIGKILL)
+                for agent in placed.agents[1:]:
+                    agent.signal.remote(placed.key, signal.SIGKILL)
         self._release(placed)
         code = out["codes"][0]
         name = _signal_name(-code) if code < 0 else None
@@ -490,29 +529,23 @@ class RayBackend(Backend):
             if OmegaConf.select(config, "resume", default=None) in (None, "null"):
                 config.resume = "auto"
         placed.pg = self._place(placed.need)
-        placed.actors, placed.runs, placed.nodes = [], [], []
+        placed.agents, placed.runs, placed.nodes = [], [], []
         placed.replacing = True
 
     def _release(self, placed: Placed, kill: bool = False) -> None:
-        """Give back a job's bundles (and, ``kill``, end its actors first)."""
-        import ray
-
+        """Give back a job's bundles (and, ``kill``, end its processes first)."""
         for node in self.nodes:
             share = placed.nodes.count(node.id)
             node.used_cpus = max(0.0, node.used_cpus - share * placed.need.cpus)
             node.used_gpus = max(0.0, node.used_gpus - share * placed.need.gpus)
         placed.nodes = []
-        for actor in placed.actors:
-            if kill:
+        if kill:
+            for agent in placed.agents:
                 try:
-                    actor.signal.remote(signal.SIGKILL)
+                    agent.signal.remote(placed.key, signal.SIGKILL)
                 except Exception:
                     pass
-            try:
-                ray.kill(actor)
-            except Exception:
-                pass
-        placed.actors = []
+        placed.agents = []
         _remove(placed.pg)
 
     def stop(self, job: Job, force: bool = False) -> None:
@@ -525,9 +558,9 @@ class RayBackend(Backend):
             self._refused.append(Ended(job, None, "it was stopped while waiting to be placed "
                                                   "again after its node died"))
             return
-        for actor in placed.actors:
+        for agent in placed.agents:
             try:
-                actor.signal.remote(signal.SIGKILL if force else signal.SIGTERM)
+                agent.signal.remote(placed.key, signal.SIGKILL if force else signal.SIGTERM)
             except Exception:
                 pass
 
@@ -542,6 +575,13 @@ def world_ranks(need: Need, addr: str, port: int) -> list[list[dict[str, str]]]:
               "NODE_RANK": str(node), "GROUP_RANK": str(node),
               "MASTER_ADDR": addr, "MASTER_PORT": str(port)} for local in range(per_node)]
             for node in range(need.nodes)]
+
+
+def _gpu_ids() -> list[str]:
+    """The GPUs Ray gave the task this runs as (a job's bundle's, in its placement group)."""
+    import ray
+
+    return [str(i) for i in ray.get_gpu_ids()]
 
 
 def _ready(pg: Any, timeout: float) -> bool:
