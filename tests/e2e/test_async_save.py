@@ -6,12 +6,18 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_same_tensors, finish, read_metrics, run_cli_in_process, start_cli
+from helpers import (
+    assert_same_tensors,
+    finish,
+    read_metrics,
+    run_cli_in_process,
+    start_cli,
+    wait_for,
+)
 
 from ddpexp.checkpoint import io as ckpt_io
 
@@ -27,15 +33,6 @@ ARGS = [
 ]
 
 
-def _wait_for(path: Path, proc, timeout: float = 120) -> None:
-    deadline = time.time() + timeout
-    while not path.exists():
-        if proc.poll() is not None or time.time() > deadline:
-            res = finish(proc, 10)
-            pytest.fail(f"{path} never appeared (exit {res.returncode})\n{res.output}")
-        time.sleep(0.05)
-
-
 @pytest.mark.slow
 def test_a_kill_during_a_background_write_leaves_the_previous_last_pt_resumable(workdir):
     reference = workdir / "reference"
@@ -47,7 +44,7 @@ def test_a_kill_during_a_background_write_leaves_the_previous_last_pt_resumable(
                       "+callbacks.slowsave.at=2", f"+callbacks.slowsave.marker={marker}",
                       f"hydra.run.dir={run}"], workdir, env)
     try:
-        _wait_for(marker, proc)  # the second save (step 4) copied, its write held
+        wait_for(marker, proc, nonempty=True)  # the second save (step 4) copied, its write held
         last = run / "checkpoints" / ckpt_io.LAST
         before = last.read_bytes()
         assert marker.read_text() == "4"

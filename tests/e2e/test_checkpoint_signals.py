@@ -20,6 +20,7 @@ from helpers import (
     run_printed,
     session_pids,
     start_cli,
+    wait_for,
 )
 from test_checkpoint_resume import assert_same_final_state, assert_tensorboard_continues, new_run
 
@@ -38,15 +39,6 @@ LONG = [
     "trainer.divergence_factor=null",
 ]
 HUGE = "trainer.max_epochs=100000"
-
-
-def wait_for(path: Path, proc, timeout: float = 120) -> None:
-    deadline = time.time() + timeout
-    while not path.exists():
-        if proc.poll() is not None or time.time() > deadline:
-            res = finish(proc, 10)
-            pytest.fail(f"{path} never appeared (exit {res.returncode})\n{res.output}")
-        time.sleep(0.05)
 
 
 def interrupt(workdir: Path, args: list[str], sig: int, env: dict | None = None,

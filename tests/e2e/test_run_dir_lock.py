@@ -11,8 +11,8 @@ import socket
 from pathlib import Path
 
 import pytest
-from helpers import finish, read_metrics, run_cli, start_cli, stop_session
-from test_checkpoint_signals import HUGE, LONG, wait_for
+from helpers import finish, read_metrics, run_cli, start_cli, stop_session, wait_for
+from test_checkpoint_signals import HUGE, LONG
 
 
 def snapshot(run_dir: Path) -> dict[str, tuple[int, int, bytes]]:

@@ -27,6 +27,7 @@ from helpers.cli import (
                          session_pids,
                          start_cli,
                          stop_session,
+                         wait_for,
 )
 from helpers.files import write_cifar10, write_idx, write_imagefolder, write_mnist
 from helpers.sweeps import journal_study, summary_by_job
@@ -37,6 +38,7 @@ __all__ = [
     "journal_study", "summary_by_job",
     "kill_session", "one_worker", "only_run_dir", "read_metrics", "read_scalars", "run_cli",
     "run_cli_here", "run_cli_in_process", "run_dirs", "run_printed", "session_pids", "start_cli", "stop_session",
+    "wait_for",
     "write_cifar10",
     "write_idx", "write_imagefolder", "write_mnist",
 ]

@@ -120,6 +120,18 @@ def finish(proc: subprocess.Popen, timeout: float) -> CliResult:
     return CliResult(proc.returncode, out, err, kill_session(proc.pid))
 
 
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120,
+             nonempty: bool = False) -> None:
+    """Wait until ``path`` exists (``nonempty``: and holds something) while ``proc`` runs;
+    fail the test with its output if it ends first or ``timeout`` passes."""
+    deadline = time.time() + timeout
+    while not path.exists() or (nonempty and not path.stat().st_size):
+        if proc.poll() is not None or time.time() > deadline:
+            res = finish(proc, 10)
+            pytest.fail(f"{path} never appeared (exit {res.returncode})\n{res.output}")
+        time.sleep(0.05)
+
+
 def run_cli(args: Sequence[str], cwd: Path, timeout: float = 180, env: dict | None = None,
             expect_ok: bool = True, module: str = "ddpexp") -> CliResult:
     """Run the CLI to completion; by default fail the test unless it exits 0."""

@@ -28,6 +28,8 @@ class SlowSave(Callback):
     def _hold(self) -> None:
         if self.saves != self.at:
             return
-        if self.marker:
-            Path(self.marker).write_text(str(self.step))
+        if self.marker:  # whole once it appears: a test reads it as soon as it exists
+            tmp = Path(f"{self.marker}.tmp")
+            tmp.write_text(str(self.step))
+            tmp.replace(self.marker)
         time.sleep(self.hold_s)
