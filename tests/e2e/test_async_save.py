@@ -1,27 +1,32 @@
 """``trainer.async_save`` through the CLI: a run killed while a checkpoint is written in the
-background resumes bit-exact from the previous one. (A background write that meets a full
-disk: tests/e2e/test_full_disk.py.)"""
+background resumes bit-exact from the previous one; under fsdp (2 gloo workers, DCP's async
+save) the sharded checkpoint written in the background equals the one written in the loop at
+the same step, resumes bit-exact, and the run ends once its last save is in place. (A
+background write that meets a full disk: tests/e2e/test_full_disk.py.)"""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
-from pathlib import Path
 
 import pytest
 import torch
 from helpers import (
+    TINY_GPT,
     assert_same_tensors,
     finish,
+    plugins_env,
     read_metrics,
+    run_cli,
     run_cli_in_process,
     start_cli,
     wait_for,
+    write_corpus,
 )
 
 from ddpexp.checkpoint import io as ckpt_io
 
-PLUGINS = str(Path(__file__).parents[1] / "plugins")
 # test_checkpoint_resume's tiny run (dropout, momentum, a schedule), saved every 2 steps in
 # the background: 12 steps an epoch, 3 epochs.
 ARGS = [
@@ -39,7 +44,7 @@ def test_a_kill_during_a_background_write_leaves_the_previous_last_pt_resumable(
     run_cli_in_process([*ARGS, f"hydra.run.dir={reference}"], workdir)
 
     run, marker = workdir / "killed", workdir / "holding"
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [PLUGINS, os.environ.get("PYTHONPATH")]))}
+    env = plugins_env()
     proc = start_cli([*ARGS, "+callbacks.slowsave._target_=slowsave.SlowSave",
                       "+callbacks.slowsave.at=2", f"+callbacks.slowsave.marker={marker}",
                       f"hydra.run.dir={run}"], workdir, env)
@@ -65,3 +70,45 @@ def test_a_kill_during_a_background_write_leaves_the_previous_last_pt_resumable(
     assert read_metrics(run)["final"] == read_metrics(reference)["final"]
     assert not [p for p in last.parent.iterdir() if ".tmp-" in p.name]
 
+
+
+# The tiny GPT sharded over 2 gloo workers, 6 steps of one epoch; the default
+# trainer.async_save (null) writes its checkpoints in the background.
+FSDP = [*TINY_GPT, "optimizer=adamw", "trainer.strategy=fsdp", "trainer.procs=2",
+        "data.batch_size=8", "trainer.max_steps=6", "trainer.test=false",
+        "trainer.progress_bar=false"]
+
+
+@pytest.mark.slow
+def test_an_fsdp_background_save_equals_the_save_in_the_loop_and_resumes_bit_exact(workdir):
+    """At step 2 every rank saves in the loop (sync.pt), then in the background (async.pt),
+    its write held until the loop has taken 2 more steps that change the weights in place:
+    the two sharded checkpoints hold the same tensors. The run's last save (held too) is in
+    place when the run ends, and a run resumed from async.pt ends with the weights, optimizer
+    state and metrics of the uninterrupted one."""
+    write_corpus(workdir / "text.txt")
+    run = workdir / "run"
+    run_cli([*FSDP, "+callbacks.savetwice._target_=savetwice.SaveTwice",
+             f"hydra.run.dir={run}"], workdir, env=plugins_env(), timeout=240)
+    reports = [json.loads((run / f"report.{rank}.json").read_text()) for rank in (0, 1)]
+    for seen in reports:
+        assert seen["busy_while_training"][:2] == [True, True], seen  # written while stepping
+        assert seen["moved"] and seen["held"] >= 2 and seen["busy_at_end"] is False, seen
+    assert reports[0]["last_step"] == 6 and reports[0]["temporaries"] == []
+    out = run / "checkpoints"
+    written = ckpt_io.load_sharded(out / "async.pt", keys=ckpt_io.SHARDED_KEYS)
+    sync = ckpt_io.load_sharded(out / "sync.pt", keys=ckpt_io.SHARDED_KEYS)
+    assert written["step"] == 2
+    assert_same_tensors(written, sync, "checkpoint")
+    ckpt_io.check_digest(out / "async.pt")
+
+    resumed = workdir / "resumed"
+    res = run_cli([*FSDP, f"resume={out / 'async.pt'}", f"hydra.run.dir={resumed}"], workdir,
+                  timeout=240)
+    assert "resumed from" in res.output and "step 2" in res.output
+    a = ckpt_io.load_sharded(resumed / "checkpoints" / ckpt_io.LAST, keys=ckpt_io.SHARDED_KEYS)
+    b = ckpt_io.load_sharded(out / ckpt_io.LAST, keys=ckpt_io.SHARDED_KEYS)
+    for key in ("model", "optimizer", "epoch", "batch", "step"):
+        assert_same_tensors(a[key], b[key], key)
+    assert read_metrics(resumed)["final"] == read_metrics(run)["final"]
+    assert not [p for p in (resumed / "checkpoints").iterdir() if ".tmp-" in p.name]

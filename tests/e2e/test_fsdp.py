@@ -6,29 +6,31 @@ a killed worker named."""
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from helpers import only_run_dir, read_metrics, read_scalars, run_cli
+from helpers import (
+    TINY_GPT,
+    only_run_dir,
+    plugins_env,
+    read_metrics,
+    read_scalars,
+    run_cli,
+    write_corpus,
+)
 
 from ddpexp.checkpoint.io import is_sharded
 
 pytestmark = pytest.mark.slow
 
-PLUGINS = str(Path(__file__).parents[1] / "plugins")
 # 256 train samples: 8 batches of 16 per rank and epoch at world size 2.
 TINY = ["data=synthetic", "data.shape=[6]", "data.num_classes=3", "data.num_samples=256",
         "data.val_samples=101", "model=mlp", "model.hidden=[16,16]", "trainer.log_every_n_steps=1",
         "trainer.test=false"]
 GRADS = ["+callbacks.grads._target_=gradprobe.SaveGrads", "+callbacks.grads.path=grads.pt"]
-
-
-def env() -> dict:
-    return {"PYTHONPATH": os.pathsep.join(filter(None, [PLUGINS, os.environ.get("PYTHONPATH")]))}
 
 
 def sweep(workdir: Path, cases: dict[str, list[str]], common: list[str], timeout: float = 420) -> dict:
@@ -50,7 +52,7 @@ def sweep(workdir: Path, cases: dict[str, list[str]], common: list[str], timeout
             node[leaf] = yaml.safe_load(value)
         (group / f"{name}.yaml").write_text("# @package _global_\n" + yaml.safe_dump(body))
     run_cli(["-m", "--config-dir", str(workdir / "conf"), *common, f"+case={','.join(cases)}",
-             "hydra.sweep.dir=sweep"], workdir, env=env(), timeout=timeout)
+             "hydra.sweep.dir=sweep"], workdir, env=plugins_env(), timeout=timeout)
     return {name: workdir / "sweep" / str(i) for i, name in enumerate(cases)}  # jobs in order
 
 
@@ -105,17 +107,12 @@ def test_fsdp_matches_ddp_gradients_and_validation(workdir):
     assert float(total) == pytest.approx(0.3, rel=1e-5)
 
 
-TEXT = "".join(f"the {w} sat on the mat. " for w in ("cat", "dog", "bird", "fox") * 40)
-
-
 def test_gpt_blocks_tied_weights_and_activation_checkpointing(workdir):
     """The GPT (tied embedding and output weights, dropout) sharded per transformer block:
     fsdp's gradients equal ddp's, with and without activation checkpointing, at 2 workers
     and at 4; checkpointing changes no gradient under either strategy."""
-    (workdir / "text.txt").write_text(TEXT)
-    common = ["task=lm", "model=gpt", "data=text", "data.path=text.txt", "data.block_size=16",
-              "data.train_stride=8", "model.n_layer=2", "model.n_embd=32", "model.n_head=2",
-              "model.dropout=0.1", "trainer.max_steps=2", "trainer.test=false", "optimizer=adamw",
+    write_corpus(workdir / "text.txt")
+    common = [*TINY_GPT, "trainer.max_steps=2", "trainer.test=false", "optimizer=adamw",
               "trainer.log_every_n_steps=1", *GRADS,
               # A stalled rank is named with its stack (the watchdog) and the sweep's own
               # timeout comes before pytest's, with the output: a hang reads as a message.
@@ -211,7 +208,7 @@ def test_sharded_checkpoints_resume_at_any_world_size(workdir):
 def test_killed_fsdp_worker_ends_the_run_naming_its_rank(workdir):
     started = time.time()
     res = run_cli([*TINY, "trainer.strategy=fsdp", "trainer.procs=2", "model._target_=faulty.Faulty",
-                   "+model.mode=kill"], workdir, env=env(), expect_ok=False, timeout=90)
+                   "+model.mode=kill"], workdir, env=plugins_env(), expect_ok=False, timeout=90)
     assert res.returncode != 0 and time.time() - started < 60
     assert "was killed by SIGKILL" in res.stderr or "rank 1 was killed by a signal" in res.stderr, res.stderr
     assert read_metrics(only_run_dir(workdir))["status"] == "failed"

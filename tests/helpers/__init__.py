@@ -12,11 +12,13 @@
 from helpers.build import build_trainer, compose_config
 from helpers.cli import (
                          FAST,
+                         PLUGINS,
                          CliResult,
                          finish,
                          kill_session,
                          one_worker,
                          only_run_dir,
+                         plugins_env,
                          read_metrics,
                          read_scalars,
                          run_cli,
@@ -29,16 +31,22 @@ from helpers.cli import (
                          stop_session,
                          wait_for,
 )
-from helpers.files import write_cifar10, write_idx, write_imagefolder, write_mnist
+from helpers.files import (
+                         TINY_GPT,
+                         write_cifar10,
+                         write_corpus,
+                         write_idx,
+                         write_imagefolder,
+                         write_mnist,
+)
 from helpers.sweeps import journal_study, summary_by_job
 from helpers.tensors import assert_same_tensors
 
 __all__ = [
-    "FAST", "CliResult", "assert_same_tensors", "build_trainer", "compose_config", "finish",
-    "journal_study", "summary_by_job",
-    "kill_session", "one_worker", "only_run_dir", "read_metrics", "read_scalars", "run_cli",
-    "run_cli_here", "run_cli_in_process", "run_dirs", "run_printed", "session_pids", "start_cli", "stop_session",
-    "wait_for",
-    "write_cifar10",
+    "FAST", "PLUGINS", "TINY_GPT", "CliResult", "assert_same_tensors", "build_trainer",
+    "compose_config", "finish", "journal_study", "kill_session", "one_worker", "only_run_dir",
+    "plugins_env", "read_metrics", "read_scalars", "run_cli", "run_cli_here",
+    "run_cli_in_process", "run_dirs", "run_printed", "session_pids", "start_cli",
+    "stop_session", "summary_by_job", "wait_for", "write_cifar10", "write_corpus",
     "write_idx", "write_imagefolder", "write_mnist",
 ]

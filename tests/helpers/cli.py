@@ -19,6 +19,14 @@ from ddpexp.record import read_metrics  # noqa: F401
 
 # Small, fast settings shared by the end-to-end tests.
 FAST = ["trainer.max_epochs=2", "trainer.log_every_n_steps=5"]
+# The user callbacks and models of the tests (tests/plugins), importable by a run's workers.
+PLUGINS = str(Path(__file__).parents[1] / "plugins")
+
+
+def plugins_env() -> dict:
+    """The environment for a CLI run that imports from tests/plugins (``+callbacks.x._target_
+    =module.Class``), keeping the PYTHONPATH this test runs under."""
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [PLUGINS, os.environ.get("PYTHONPATH")]))}
 
 
 def session_pids(sid: int) -> list[int]:

@@ -1,5 +1,5 @@
 """Datasets written in their real file formats (MNIST's idx, CIFAR-10's pickled batches, an
-image folder), for the data sources to read."""
+image folder, a text corpus), for the data sources to read."""
 
 from __future__ import annotations
 
@@ -64,3 +64,16 @@ def write_imagefolder(root: Path, classes=("cat", "dog", "eel"), per_class: int 
                 pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
                 Image.fromarray(pixels).save(d / f"{k}.png")
     return root
+
+
+# A tiny GPT (tied embedding and output weights, dropout, 2 transformer blocks) over the
+# corpus that write_corpus() writes, as data.path=text.txt.
+TINY_GPT = ["task=lm", "model=gpt", "data=text", "data.path=text.txt", "data.block_size=16",
+            "data.train_stride=8", "model.n_layer=2", "model.n_embd=32", "model.n_head=2",
+            "model.dropout=0.1"]
+
+
+def write_corpus(path: Path, repeat: int = 40) -> Path:
+    """A small text corpus of a few words (``repeat`` times 4 sentences)."""
+    path.write_text("".join(f"the {w} sat on the mat. " for w in ("cat", "dog", "bird", "fox") * repeat))
+    return path

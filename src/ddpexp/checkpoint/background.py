@@ -40,7 +40,8 @@ _AVAILABLE_SHARE = 0.5
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
-        yield obj
+        local = getattr(obj, "_local_tensor", None)  # a DTensor: this rank's shard
+        yield local if isinstance(local, torch.Tensor) else obj
     elif isinstance(obj, dict):
         for value in obj.values():
             yield from _tensors(value)
@@ -50,7 +51,8 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
 
 
 def state_bytes(obj: Any) -> int:
-    """The bytes of the distinct tensor storages in ``obj`` (what :func:`snapshot` copies)."""
+    """The bytes of the distinct tensor storages in ``obj`` (what :func:`snapshot` copies;
+    of a DTensor, this rank's shard)."""
     seen: dict[tuple[str, int], int] = {}
     for t in _tensors(obj):
         storage = t.untyped_storage()
@@ -118,15 +120,16 @@ def snapshot(obj: Any) -> Any:
 
 class Saver:
     """Writes checkpoints in the background, one at a time, or in the loop (``mode``: the
-    value of ``trainer.async_save``; ``capable`` False for a strategy whose write takes part
-    in collectives, which must stay in the loop's thread)."""
+    value of ``trainer.async_save``; ``capable`` False for a strategy whose save can only
+    run in the loop's thread; ``quiet`` on the ranks that do not log)."""
 
-    def __init__(self, mode: bool | None, capable: bool = True):
-        self.mode, self.capable = mode, capable
+    def __init__(self, mode: bool | None, capable: bool = True, quiet: bool = False):
+        self.mode, self.capable, self.quiet = mode, capable, quiet
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._warned = False
-        #: A hook for tests and measurements: called in the writer's thread before it writes.
+        #: A hook for tests and measurements: called in the writer's thread before it writes
+        #: (for :meth:`save_staged`, in DCP's thread, on every rank that sets it).
         self.before_write: Callable[[], None] | None = None
 
     @property
@@ -147,19 +150,48 @@ class Saver:
                 then()
             return
         copied = snapshot(state)
-        self._thread = threading.Thread(target=self._run, args=(write, copied, then),
+        self._start(write, copied, then, hold=True)
+
+    def save_staged(self, start: Callable[[Any, Callable[[], None] | None], Callable[[], None]],
+                    write: Callable[[Any], None], state: Any,
+                    then: Callable[[], None] | None = None,
+                    agree: Callable[[bool], bool] | None = None, peers: int = 1) -> None:
+        """The save of a strategy whose every rank writes (fsdp), called by every rank at the
+        same point: in the background, ``start(state, before_write)`` runs here, in the
+        loop's thread (it copies ``state`` to host memory, runs the save's collectives that
+        must stay in the loop and starts the write) and returns what completes the save,
+        which the writer's thread then runs, followed by ``then``; else ``write(state)``
+        here. Under ``mode=None`` the verdict on the memory (``peers`` ranks of this host
+        each copy their shards at once) is made the same on every rank by ``agree`` (a
+        collective: every rank must take the same path). Waits for the previous save,
+        raising its failure."""
+        self.wait()
+        background = self._in_background(state, peers)
+        if self.mode is None and self.capable and agree is not None:
+            background = agree(background)
+        if not background:
+            write(state)
+            if then is not None:
+                then()
+            return
+        complete = start(state, self.before_write)
+        self._start(lambda _: complete(), None, then, hold=False)
+
+    def _start(self, write: Callable[[Any], None], state: Any, then: Callable[[], None] | None,
+               hold: bool) -> None:
+        self._thread = threading.Thread(target=self._run, args=(write, state, then, hold),
                                         name="ddpexp-checkpoint-writer")
         self._thread.start()
 
-    def _in_background(self, state: Any) -> bool:
+    def _in_background(self, state: Any, peers: int = 1) -> bool:
         if not self.capable or self.mode is False:
             return False
         if self.mode is True:
             return True
-        need, free = state_bytes(state), available_memory()
+        need, free = state_bytes(state) * peers, available_memory()
         if free is None or need <= free * _AVAILABLE_SHARE:
             return True
-        if not self._warned:
+        if not self._warned and not self.quiet:
             self._warned = True
             log.warning("trainer.async_save: the checkpoint's %.0f MiB do not fit in half of the "
                         "%.0f MiB of memory available, so it is written in the loop; "
@@ -167,9 +199,10 @@ class Saver:
                         need / 2**20, free / 2**20)
         return False
 
-    def _run(self, write: Callable[[Any], None], state: Any, then: Callable[[], None] | None) -> None:
+    def _run(self, write: Callable[[Any], None], state: Any, then: Callable[[], None] | None,
+             hold: bool) -> None:
         try:
-            if self.before_write is not None:
+            if hold and self.before_write is not None:
                 self.before_write()
             write(state)
             if then is not None:

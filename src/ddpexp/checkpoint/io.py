@@ -28,13 +28,14 @@ CPUs hash it in hardware, twice as fast as BLAKE2b (docs/benchmarks.md).
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import os
 import pickle
 import re
 import shutil
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -349,12 +350,7 @@ def save_sharded(tensors: dict, meta: dict | None, path: Path, is_main: bool) ->
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    tmp = path.with_name(f"{path.name}{_TMP_MARK}sharded")
-    if is_main:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _remove(tmp)
-    if dist.is_initialized():
-        dist.barrier()  # nobody writes into the temporary dir before it is empty
+    tmp = _empty_sharded_tmp(path, is_main)
     try:
         dcp.save(tensors, checkpoint_id=str(tmp))  # returns once every rank's shards are written
     except CheckpointException as exc:
@@ -366,8 +362,89 @@ def save_sharded(tensors: dict, meta: dict | None, path: Path, is_main: bool) ->
         if is_main:
             _remove(tmp)
         raise error from None
-    if not is_main:
-        return
+    if is_main:
+        assert meta is not None
+        _complete_sharded(tmp, meta, path)
+
+
+def start_sharded(tensors: dict, meta: dict | None, path: Path, is_main: bool, group: Any,
+                  before_write: Callable[[], None] | None = None) -> Callable[[], None]:
+    """:func:`save_sharded` in the background (``torch.distributed.checkpoint.async_save``):
+    every rank calls it in the loop's thread, at the same point. Each copies its shards to
+    host memory before it returns (what is written is the state of this moment), and DCP's
+    thread then writes them, its collectives over ``group`` (a process group of its own, so
+    that they never meet the loop's on the default group). Returns what completes the save:
+    called once in a thread of this rank's, it waits for the write (which returns on every
+    rank only once every rank's shards and DCP's metadata are on disk) and on global rank 0
+    writes ``meta.pt`` and the digests and renames the directory into place, all without a
+    collective; a failed write is raised there, as :func:`save_sharded` raises it.
+    ``before_write`` is called in DCP's thread before this rank writes (for tests)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    tmp = _empty_sharded_tmp(path, is_main)
+    future = dcp.async_save(tensors, storage_writer=_hooked_writer(tmp, before_write),
+                            process_group=group)
+    assert isinstance(future, Future)  # staged in this thread: only the write's future
+
+    def complete() -> None:
+        try:
+            future.result()
+        except CheckpointException as exc:
+            error = _sharded_save_error(exc, path)
+            # Every rank's completing thread gets the failure: the shards go once each has
+            # judged it (a barrier of the writers' own group, which nothing else uses now).
+            dist.barrier(group=group)
+            if is_main:
+                _remove(tmp)
+            raise error from None
+        if is_main:
+            assert meta is not None
+            _complete_sharded(tmp, meta, path)
+
+    return complete
+
+
+def _hooked_writer(path: Path, before_write: Callable[[], None] | None) -> Any:
+    """torch's FileSystemWriter (as ``dcp.save`` makes one) into ``path`` that calls
+    ``before_write`` in the writing thread before it writes."""
+    writer = _hooked_writer_class()(str(path))
+    writer.hook = before_write
+    return writer
+
+
+@functools.cache
+def _hooked_writer_class() -> type:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class HookedWriter(FileSystemWriter):
+        hook: Callable[[], None] | None = None
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            if self.hook is not None:
+                self.hook()
+            return super().write_data(plan, planner)
+
+    return HookedWriter
+
+
+def _empty_sharded_tmp(path: Path, is_main: bool) -> Path:
+    """The temporary directory a sharded checkpoint of ``path`` is written into, empty on
+    every rank's return (a barrier: nobody writes into it before rank 0 has emptied it)."""
+    import torch.distributed as dist
+
+    tmp = path.with_name(f"{path.name}{_TMP_MARK}sharded")
+    if is_main:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _remove(tmp)
+    if dist.is_initialized():
+        dist.barrier()
+    return tmp
+
+
+def _complete_sharded(tmp: Path, meta: dict, path: Path) -> None:
+    """Rank 0's part once every rank's shards are in ``tmp``: meta.pt, the digests, the rename."""
     with open(tmp / META, "wb") as f:
         torch.save(meta, f)
         f.flush()

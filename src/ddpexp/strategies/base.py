@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, ClassVar
@@ -46,6 +46,9 @@ class Strategy(ABC):
     #: Whether :meth:`save` runs no collective, so that ``trainer.async_save`` may run it in
     #: a background thread while the loop goes on (False: every save stays in the loop).
     background_save: ClassVar[bool] = True
+    #: Whether :meth:`start_save` writes a checkpoint in the background though :meth:`save`
+    #: runs collectives (fsdp: every rank its shards, with DCP's async save).
+    staged_save: ClassVar[bool] = False
     #: Whether the model's parameters may be laid out channels_last (``trainer.channels_last``).
     channels_last: ClassVar[bool] = True
 
@@ -124,6 +127,17 @@ class Strategy(ABC):
         ckpt_io.save_atomic(state, last)
         for path in copies:
             ckpt_io.copy_atomic(last, path)
+
+    def start_save(self, state: dict | None, last: Path, copies: Sequence[Path] = (),
+                   before_write: Callable[[], None] | None = None) -> Callable[[], None]:
+        """Where :attr:`staged_save`: begin :meth:`save` in the loop's thread, every rank at
+        the same point (copying the state to host memory and running what collectives stay
+        in the loop), and return what completes it in a background thread."""
+        raise NotImplementedError(f"{self.label()} writes its checkpoints with save()")
+
+    def agree(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank (where :attr:`staged_save`, a collective)."""
+        return flag
 
     def read_sharded(self, module: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> dict:
         """The sharded checkpoint at ``path``, whole tensors (every rank reads it)."""

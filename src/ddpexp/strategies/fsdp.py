@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpexp.checkpoint import io as ckpt_io
+from ddpexp.checkpoint.background import snapshot
 from ddpexp.config.schema import TrainerConfig
 from ddpexp.errors import ConfigError
 from ddpexp.runtime.dist import DistContext
@@ -32,13 +33,17 @@ class FSDP(DDP):
 
     A checkpoint's ``last`` is a sharded directory that each rank writes its shards into;
     best.pt and the top-k files are one file each, the whole weights gathered to rank 0.
+    Under ``trainer.async_save`` (:meth:`start_save`) the shards are written by DCP's async
+    save; the gather of best.pt's weights, a collective on the loop's process group, stays in
+    the loop, and rank 0 writes the gathered copy in the background.
     """
 
     name = "fsdp"
     sharded = True
-    # Every rank writes its shards, and gathering best.pt's weights is a collective: the
-    # save stays in the loop (trainer.async_save applies to one-file checkpoints).
+    # Every rank writes its shards, and gathering best.pt's weights is a collective: save()
+    # stays in the loop, and trainer.async_save runs start_save() instead.
     background_save = False
+    staged_save = True
     # FSDP2 shards only contiguous parameters (channels_last ones are not).
     channels_last = False
 
@@ -48,6 +53,7 @@ class FSDP(DDP):
             raise ConfigError("trainer.precision=16 (fp16 with a gradient scaler) is not supported "
                               "with trainer.strategy=fsdp; use trainer.precision=bf16")
         self.blocks: list[nn.Module] = []
+        self._save_group: Any = None  # the process group of DCP's background writes
         release_freed_memory()
 
     def checkpoint_activations(self, module: nn.Module) -> None:
@@ -145,6 +151,41 @@ class FSDP(DDP):
                 ckpt_io.save_atomic(single, copies[0])
                 for path in copies[1:]:
                     ckpt_io.copy_atomic(copies[0], path)
+
+    def start_save(self, state: dict | None, last: Path, copies: Sequence[Path] = (),
+                   before_write: Callable[[], None] | None = None) -> Callable[[], None]:
+        """:meth:`save` in the background: this rank's shards copied to host memory and
+        written by ``torch.distributed.checkpoint.async_save`` over a gloo group of the
+        writers' own (created at the first save, every rank at the same point), so that its
+        collectives, in DCP's thread, never race the loop's on the default group. best.pt's
+        and the top-k files' whole weights are gathered here, in the loop (a collective on
+        the default group); rank 0 writes them once the shards are in place. Returns what
+        completes the save (:func:`ddpexp.checkpoint.io.start_sharded`), for the writer's
+        thread."""
+        assert state is not None  # every rank gathers its shards
+        if self._save_group is None:
+            self._save_group = dist.new_group(backend="gloo")
+        tensors = {k: state.pop(k) for k in ckpt_io.SHARDED_KEYS if k in state}
+        meta = snapshot(state) if self.ctx.is_main else None  # the rest: small, copied here
+        complete = ckpt_io.start_sharded(tensors, meta, last, self.ctx.is_main,
+                                         self._save_group, before_write)
+        whole = self._gather(tensors["model"]) if copies else None  # fresh CPU copies
+        single = {**meta, "model": whole} if whole is not None and meta is not None else None
+
+        def finish() -> None:
+            complete()
+            if single is not None:
+                ckpt_io.save_atomic(single, copies[0])
+                for path in copies[1:]:
+                    ckpt_io.copy_atomic(copies[0], path)
+
+        return finish
+
+    def agree(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank (a collective)."""
+        value = torch.tensor([int(flag)], device=self.ctx.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+        return bool(value.item())
 
     def read_sharded(self, module: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> dict:
         # Read into this run's own shards: the checkpoint is resharded to this world size.

@@ -110,8 +110,10 @@ class Trainer:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         self.strategy = strategies.for_config(cfg, ctx)
         # trainer.async_save: checkpoints written by a background thread, one at a time.
-        self.saver = Saver(cfg.async_save, self.strategy.background_save)
-        if not self.strategy.background_save and cfg.async_save is not False and ctx.is_main:
+        # Under fsdp every rank writes its shards in the background (DCP's async save).
+        capable = self.strategy.background_save or self.strategy.staged_save
+        self.saver = Saver(cfg.async_save, capable, quiet=not ctx.is_main)
+        if not capable and cfg.async_save is not False and ctx.is_main:
             log.info("trainer.async_save: strategy=%s writes its checkpoints in the loop",
                      self.strategy.label())
         built = loaders.build(cfg, ctx, data, datasets, seed, self.strategy)
@@ -262,7 +264,14 @@ class Trainer:
         checkpoint = schema.gather(self)
         self.state.last_saved_step = self.step
         copies = list(copies)
-        self.saver.save(lambda state: self.strategy.save(state, last, copies), checkpoint, then)
+        strategy = self.strategy
+        if strategy.staged_save:  # every rank writes (fsdp)
+            self.saver.save_staged(
+                lambda state, hook: strategy.start_save(state, last, copies, hook),
+                lambda state: strategy.save(state, last, copies), checkpoint, then,
+                agree=strategy.agree, peers=self.ctx.local_world_size)
+        else:
+            self.saver.save(lambda state: strategy.save(state, last, copies), checkpoint, then)
 
     def wait_for_saves(self) -> None:
         """Return once the checkpoint being written in the background (if any) is on disk;
