@@ -43,6 +43,7 @@ sweeper in batches of ``max_parallel`` (how a batch sweeper such as hydra-optuna
     python scripts/bench.py --gpu --peers   # the GPU cases (scripts/gpu_check.sh runs them)
     python scripts/bench.py --cases search  # the search case only (--quick: 4 short trials)
     python scripts/bench.py --cases save    # the loop's stall at a save, async_save on and off
+    python scripts/bench.py --cases save-fsdp  # the same, fsdp over 2 workers only
     python scripts/bench.py --cases loggers # logger=tensorboard vs [tensorboard,mlflow], [..,wandb]
     python scripts/bench.py --cases launchers  # an 8-job sweep: ddp launcher vs Hydra's basic, joblib
     python scripts/bench.py --cases gaps       # the search's slot gaps over 8 and 32 trials
@@ -64,7 +65,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -820,16 +821,23 @@ SAVE_VARIANTS = {"none": [], "sync": ["trainer.async_save=false"],
                  "async": ["trainer.async_save=true"]}
 
 
-def save_args(quick: bool, variant: str, text: Path, out: Path) -> list[str]:
+# The save case's strategies: one process, or fsdp over 2 gloo workers (every rank writes its
+# shards of the sharded last.pt; in the background with DCP's async save).
+SAVE_STRATEGIES = {"single": ["trainer.strategy=single"],
+                   "fsdp": ["trainer.strategy=fsdp", "trainer.procs=2"]}
+
+
+def save_args(quick: bool, variant: str, text: Path, out: Path, strategy: str = "single") -> list[str]:
     """The fsdp case's GPT of about 151M parameters (quick: 2 blocks of width 64) with AdamW
-    in one process on the CPU, logging every step; ``variant`` saves ``last.pt`` every
-    SAVE_EVERY steps (steps 2, 4 and 6 of 7) in the loop or in the background, or not mid-run."""
+    on the CPU under ``strategy`` (SAVE_STRATEGIES), logging every step; ``variant`` saves
+    ``last.pt`` every SAVE_EVERY steps (steps 2, 4 and 6 of 7) in the loop or in the
+    background, or not mid-run."""
     size = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4"] if quick else \
         ["model.n_layer=12", "model.n_embd=1024", "model.n_head=16"]
     every = [f"trainer.ckpt_every_steps={SAVE_EVERY}"] if variant != "none" else []
     return [sys.executable, "-m", "ddpexp", "task=lm", "model=gpt", *size, "data=text",
             f"data.path={text}", "data.block_size=32", "data.batch_size=2", "optimizer=adamw",
-            "trainer.strategy=single", f"trainer.max_steps={SAVE_STEPS}",
+            *SAVE_STRATEGIES[strategy], f"trainer.max_steps={SAVE_STEPS}",
             "trainer.log_every_n_steps=1", "trainer.limit_val_batches=1", "trainer.test=false",
             "trainer.progress_bar=false", *every, *SAVE_VARIANTS[variant],
             "+callbacks.clock._target_=bench_clock.StepClock",
@@ -876,13 +884,26 @@ def _stops(ends: list[float]) -> list[float]:
     return [intervals[s + 1] - plain for s in SAVED_AT]
 
 
-def save_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str:
+def _size(path: Path) -> int:
+    """The bytes of a checkpoint: a file, or a sharded directory's files."""
+    return sum(p.stat().st_size for p in path.iterdir()) if path.is_dir() else path.stat().st_size
+
+
+def save_bench(quick: bool, repeats: int, env: dict, timeout: float,
+               strategies: Sequence[str] = tuple(SAVE_STRATEGIES)) -> str:
+    """:func:`save_strategy_bench` under each of ``strategies``, one table each."""
+    return "\n\n".join(save_strategy_bench(quick, repeats, env, timeout, s) for s in strategies)
+
+
+def save_strategy_bench(quick: bool, repeats: int, env: dict, timeout: float,
+                        strategy: str = "single") -> str:
     """The loop's stall at a save, in the loop (``async_save=false``) and in the background
     (``true``): the loop time (end of step 1 to end of the last step) of a run that saves
     mid-run minus that of the same run without, per save; and the stop read inside each
-    run (:func:`_stops`). Peak RSS over the run without saves is what the saves cost in
-    memory (for the background one, its snapshot). Alternates the order; a markdown table
-    of medians and the target's verdict (the async stall under 20% of the sync one)."""
+    run (:func:`_stops`). Peak RSS (of the largest process: under fsdp one worker) over the
+    run without saves is what the saves cost in memory (for the background one, its
+    snapshot). Alternates the order; a markdown table of medians and the target's verdict
+    (the async stall under 20% of the sync one)."""
     figures: dict[str, list[dict]] = {name: [] for name in SAVE_VARIANTS}
     with tempfile.TemporaryDirectory(prefix="ddpexp-bench-save-") as tmp:
         text = Path(tmp) / "text.txt"
@@ -893,14 +914,15 @@ def save_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str:
             names = list(SAVE_VARIANTS)
             for name in names[r % 3:] + names[:r % 3]:
                 out = Path(tmp) / f"{name}-{r}"
-                _, wall, rss = run_command(save_args(quick, name, text, out), Path(tmp), env, timeout)
+                _, wall, rss = run_command(save_args(quick, name, text, out, strategy), Path(tmp),
+                                           env, timeout)
                 ends = _step_ends(out)
-                size = (out / "checkpoints" / "last.pt").stat().st_size
+                size = _size(out / "checkpoints" / "last.pt")
                 stops = _stops(ends) if name != "none" else []
                 figures[name].append({"loop_s": ends[-1] - ends[0], "wall_s": wall, "rss_mib": rss,
                                       "ckpt_mib": size / 2**20, "stops": stops})
                 shutil.rmtree(out / "checkpoints")  # some GB each at full size
-                print(f"[{r + 1}/{repeats}] save-case {name:5s} loop {ends[-1] - ends[0]:6.2f}s "
+                print(f"[{r + 1}/{repeats}] save-case {strategy} {name:5s} loop {ends[-1] - ends[0]:6.2f}s "
                       f"wall {wall:6.1f}s  max RSS {rss:.0f}MiB  last.pt {size / 2**20:.0f}MiB  "
                       f"stops {' '.join(f'{x:.2f}' for x in stops)}  "
                       f"load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
@@ -915,8 +937,9 @@ def save_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str:
              for name in ("sync", "async")}
     stop = {name: statistics.median(x for f in figures[name] for x in f["stops"])
             for name in ("sync", "async")}
-    lines = [f"GPT ({'2 x 64' if quick else '12 x 1024, about 151M parameters'}), AdamW, one "
-             f"process on the CPU, {SAVE_STEPS} steps of 2 x 32 tokens, last.pt "
+    where = "one process" if strategy == "single" else "fsdp over 2 gloo workers"
+    lines = [f"GPT ({'2 x 64' if quick else '12 x 1024, about 151M parameters'}), AdamW, "
+             f"{where} on the CPU, {SAVE_STEPS} steps of 2 x 32 tokens, last.pt "
              f"{med('sync', 'ckpt_mib'):.0f} MiB saved at steps "
              f"{', '.join(map(str, SAVED_AT))}; medians of {repeats} round(s), load average "
              f"{os.getloadavg()[0]:.1f} at the end", "",
@@ -1071,7 +1094,8 @@ def _select(cases: list[Case], only: list[str] | None) -> list[Case]:
 # Cases that run commands of their own and print their own table: name -> the bench.
 OWN_CASES: dict[str, Callable[[bool, int, dict, float], str]] = {
     SEARCH: search_bench, FSDP: fsdp_bench, LOGGERS: loggers_bench, LAUNCHERS: launchers_bench,
-    GAPS: gaps_bench, SAVE: save_bench, SCALE: scale_bench, DEFAULTS: defaults_bench}
+    GAPS: gaps_bench, SAVE: save_bench, SCALE: scale_bench, DEFAULTS: defaults_bench,
+    **{f"{SAVE}-{s}": functools.partial(save_bench, strategies=(s,)) for s in SAVE_STRATEGIES}}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -1084,7 +1108,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "the memory case, loggers: a tracker's cost per step, launchers: an 8-job "
                         "sweep under ddpexp's and Hydra's launchers, gaps: the search's slot "
                         "gaps over 8 and 32 trials, save: the loop's stall at a checkpoint with "
-                        "trainer.async_save on and off, scale: sweeps of 8, 32 and 64 tiny jobs, "
+                        "trainer.async_save on and off, one process and fsdp over 2 workers "
+                        "(save-single, save-fsdp: one of them), scale: sweeps of 8, 32 and 64 tiny jobs, "
                         "defaults: the tiny MLP over epochs at ddpexp's defaults and with each "
                         "off, "
                         "each only when named)")
