@@ -218,3 +218,75 @@ def test_a_strategy_whose_save_is_collective_writes_in_the_loop():
     threads: list[str] = []
     saver.save(lambda state: threads.append(threading.current_thread().name), {"w": torch.ones(2)})
     assert threads == [threading.main_thread().name] and not saver.busy
+
+
+def test_a_staged_save_starts_in_the_loop_and_completes_in_the_writer_thread():
+    """The save of a strategy whose every rank writes (fsdp): its start (the copy, the
+    collectives that stay in the loop) runs in the caller's thread with the writer's hook,
+    its completion and ``then`` in the writer's thread; the next save waits for it."""
+    saver = background.Saver(True)
+    saver.before_write = lambda: None
+    release, seen = threading.Event(), []
+
+    def start(state, hook):
+        seen.append(("start", threading.current_thread().name, state["step"], hook is saver.before_write))
+
+        def complete():
+            release.wait(timeout=60)
+            seen.append(("complete", threading.current_thread().name, state["step"]))
+        return complete
+
+    def in_loop(state):
+        raise AssertionError("written in the loop")
+
+    saver.save_staged(start, in_loop, {"step": 1}, then=lambda: seen.append(("then",)))
+    assert saver.busy and seen == [("start", "MainThread", 1, True)]
+    release.set()
+    saver.save_staged(start, in_loop, {"step": 2})  # waits for the first
+    saver.wait()
+    assert seen == [("start", "MainThread", 1, True), ("complete", "ddpexp-checkpoint-writer", 1),
+                    ("then",), ("start", "MainThread", 2, True),
+                    ("complete", "ddpexp-checkpoint-writer", 2)]
+
+
+def test_under_the_default_every_rank_takes_the_way_they_agree_on():
+    """``mode=None``: the memory verdict is handed to ``agree`` (a collective under fsdp);
+    where another rank says no, this one writes in the loop too. ``true`` and ``false`` ask
+    nobody."""
+    asked, written = [], []
+
+    def start(state, hook):
+        return lambda: written.append("background")
+
+    def in_loop(state):
+        written.append("loop")
+
+    def nobody(flag):
+        asked.append(flag)
+        return False
+
+    background.Saver(None).save_staged(start, in_loop, {"w": torch.zeros(4)}, agree=nobody, peers=2)
+    assert asked == [True] and written == ["loop"]
+    for mode, way in ((True, "background"), (False, "loop")):
+        saver = background.Saver(mode)
+        saver.save_staged(start, in_loop, {"w": torch.zeros(4)}, agree=nobody)
+        saver.wait()
+        assert written[-1] == way
+    assert asked == [True]
+
+
+def test_a_staged_save_that_fails_is_reported_once():
+    saver = background.Saver(True)
+
+    def start(state, hook):
+        def complete():
+            raise OSError(28, "No space left on device", "last.pt")
+        return complete
+
+    saver.save_staged(start, lambda state: None, {"step": 1})
+    while saver.busy:
+        time.sleep(0.01)
+    with pytest.raises(OSError, match="No space left"):
+        saver.poll()
+    saver.poll()
+    saver.wait()  # reported once: nothing is raised again

@@ -18,6 +18,12 @@ raised once, in the loop's thread, at the next :meth:`Saver.poll` (each step) or
 ``trainer.async_save=null`` (the default) writes in the background where the copy fits in
 the memory the system has available (half of ``MemAvailable``), else in the loop with one
 warning; ``true`` always in the background, ``false`` never.
+
+A strategy whose every rank writes (fsdp: each its shards of a sharded ``last.pt``) saves
+through :meth:`Saver.save_staged`: the strategy copies the state and starts the write in the
+loop's thread (DCP's async save, :func:`ddpexp.checkpoint.io.start_sharded`), and the
+writer's thread completes it. There the memory rule counts every rank of the host, and the
+ranks agree on its verdict, since the two ways run different collectives.
 """
 
 from __future__ import annotations
