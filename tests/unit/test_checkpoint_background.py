@@ -209,12 +209,14 @@ def test_async_save_false_never_starts_a_thread(trainer_factory):
 
 
 def test_a_strategy_whose_save_is_collective_writes_in_the_loop():
-    """fsdp's shards are written by every rank together: its saves stay in the loop's
-    thread even where ``trainer.async_save=true``."""
+    """A strategy whose save runs collectives and that has no staged save (the base class's
+    flags both off) keeps its saves in the loop's thread even where
+    ``trainer.async_save=true``; fsdp has one (DCP's async save, below)."""
+    from ddpexp.strategies.base import Strategy
     from ddpexp.strategies.fsdp import FSDP
 
-    assert FSDP.background_save is False
-    saver = background.Saver(True, capable=FSDP.background_save)
+    assert Strategy.staged_save is False and FSDP.background_save is False and FSDP.staged_save
+    saver = background.Saver(True, capable=False)
     threads: list[str] = []
     saver.save(lambda state: threads.append(threading.current_thread().name), {"w": torch.ones(2)})
     assert threads == [threading.main_thread().name] and not saver.busy
