@@ -43,17 +43,72 @@ def test_the_snapshot_is_a_copy_that_keeps_shared_storages():
     assert background.state_bytes(state) == 12 * 4 + 4
 
 
+def test_snapshots_one_after_another_copy_into_the_same_buffers():
+    weight = torch.arange(12.0).reshape(3, 4)
+    state = {"model": {"a": weight, "row": weight[1]}, "step": torch.tensor(1.0)}
+    staging: background.Staging = {}
+    first = background.snapshot(state, staging)
+    buffer = first["model"]["a"].untyped_storage().data_ptr()
+    weight.mul_(-1)  # the loop stepped on; the first snapshot's write has ended
+    state["step"] = torch.tensor(2.0)
+    before = _bytes(state)
+    second = background.snapshot(state, staging)
+    assert _bytes(second) == before
+    assert second["model"]["a"].untyped_storage().data_ptr() == buffer  # no new copy
+    assert second["model"]["row"].untyped_storage().data_ptr() == buffer
+    assert len(staging) == 2  # this snapshot's storages, nothing left of the last one's
+    weight.add_(5)
+    assert _bytes(second) == before  # a copy still
+
+
+class StagingSeen(Callback):
+    """Records, after every step, where the saver's kept buffers are."""
+
+    def __init__(self):
+        self.seen: list[set[int]] = []
+
+    def on_train_batch_end(self, trainer) -> None:
+        trainer.saver.wait()
+        self.seen.append({b.data_ptr() for b in trainer.saver._staging.values()})
+
+
+def test_background_saves_every_step_reuse_one_copy_and_write_what_the_loop_would(
+        trainer_factory):
+    probes, runs = {}, {}
+    for name, mode in (("async", True), ("sync", False)):
+        probes[name] = StagingSeen()
+        callbacks = {"checkpoint": ModelCheckpoint(every_n_steps=1), "probe": probes[name]}
+        t = trainer_factory(name, callbacks=callbacks, samples=(48, 16, 0), async_save=mode)
+        t.fit()
+        runs[name] = torch.load(t.run_dir / "checkpoints" / ckpt_io.LAST, weights_only=True)
+        if mode:
+            assert not t.saver._staging  # let go of once the run saves no more
+            weights_and_momenta = 2 * len(list(t.module.parameters()))
+    # After each step the saves so far (the step's own comes after the probe): the weights'
+    # and the momentum buffers' copies are the same buffers every time (the RNG states'
+    # tensors, made afresh at each save, get buffers of their own).
+    seen = probes["async"].seen
+    assert len(seen) == 6 and not seen[0]
+    assert len(set.intersection(*seen[1:])) >= weights_and_momenta
+    for ckpt in runs.values():
+        ckpt["config"]["trainer"].pop("async_save")  # the one key the two runs differ in
+    assert_same_tensors(runs["async"], runs["sync"], "checkpoint")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_snapshot_of_cuda_tensors_lands_on_the_host_before_it_returns():
     live = torch.randn(1 << 22, device="cuda")
     state = {"w": live, "view": live[:10], "step": torch.tensor(1.0)}
-    want = live.cpu()
-    copy = background.snapshot(state)
-    live.zero_()  # queued after the copies: they must have landed already
-    torch.cuda.synchronize()
-    assert copy["w"].device.type == "cpu" and torch.equal(copy["w"], want)
-    assert torch.equal(copy["view"], want[:10])
+    staging: background.Staging = {}
+    for kept in (None, staging, staging):  # a fresh copy; into pinned buffers, then again
+        want = live.cpu()
+        copy = background.snapshot(state, kept)
+        live.normal_()  # queued after the copies: they must have landed already
+        torch.cuda.synchronize()
+        assert copy["w"].device.type == "cpu" and torch.equal(copy["w"], want)
+        assert torch.equal(copy["view"], want[:10])
+    assert copy["w"].is_pinned()
 
 
 class SaveTwiceThenStep(Callback):

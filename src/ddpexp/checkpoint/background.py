@@ -79,12 +79,22 @@ def available_memory() -> int | None:
     return None
 
 
-def snapshot(obj: Any) -> Any:
+Staging = dict[tuple[str, int], torch.UntypedStorage]
+
+
+def snapshot(obj: Any, staging: Staging | None = None) -> Any:
     """A copy of ``obj`` (dicts, lists, tuples, tensors and plain values) in host memory
     that nothing else refers to: every tensor's storage copied once (a CPU one cloned, a
     CUDA one copied to the host without blocking, then waited for), plain values deep-copied.
+
+    ``staging``: the host buffers of the previous snapshot, which nothing may still read
+    (its write has ended). A storage of the same place and size is copied into its buffer
+    of last time instead of a new one (pinned where it comes from a GPU), and ``staging``
+    then holds this snapshot's buffers: saves one after another reuse one copy's memory
+    rather than allocate a fresh one each time, which the allocator does not always give
+    back between saves.
     """
-    storages: dict[tuple[str, int], torch.UntypedStorage] = {}
+    storages: Staging = {}
     cuda = False
 
     def copy_storage(t: torch.Tensor) -> torch.UntypedStorage:
@@ -93,12 +103,19 @@ def snapshot(obj: Any) -> Any:
         key = (str(t.device), storage.data_ptr())
         if key not in storages:
             raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-            if t.device.type == "cpu":
+            on_gpu = t.device.type == "cuda"
+            cuda = cuda or on_gpu  # a CUDA copy overlaps the others, waited for once below
+            kept = staging.get(key) if staging is not None else None
+            if staging is not None and (kept is None or kept.nbytes() != storage.nbytes()):
+                kept = torch.empty(storage.nbytes(), dtype=torch.uint8,
+                                   pin_memory=on_gpu).untyped_storage()
+            if kept is not None:
+                torch.empty(0, dtype=torch.uint8).set_(kept).copy_(raw, non_blocking=on_gpu)
+                storages[key] = kept
+            elif t.device.type == "cpu":
                 storages[key] = raw.clone().untyped_storage()
-            else:  # a CUDA copy overlaps the others and is waited for once, below
-                cuda = cuda or t.device.type == "cuda"
-                blocking = t.device.type != "cuda"
-                storages[key] = raw.to("cpu", non_blocking=not blocking).untyped_storage()
+            else:
+                storages[key] = raw.to("cpu", non_blocking=on_gpu).untyped_storage()
         return storages[key]
 
     def walk(value: Any) -> Any:
@@ -121,6 +138,9 @@ def snapshot(obj: Any) -> Any:
     out = walk(obj)
     if cuda:
         torch.cuda.synchronize()  # the non-blocking copies have landed
+    if staging is not None:
+        staging.clear()
+        staging.update(storages)
     return out
 
 
@@ -134,6 +154,8 @@ class Saver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._warned = False
+        # The host buffers of the last background snapshot, reused by the next one.
+        self._staging: Staging = {}
         #: A hook for tests and measurements: called in the writer's thread before it writes
         #: (for :meth:`save_staged`, in DCP's thread, on every rank that sets it).
         self.before_write: Callable[[], None] | None = None
@@ -155,8 +177,14 @@ class Saver:
             if then is not None:
                 then()
             return
-        copied = snapshot(state)
+        copied = snapshot(state, self._staging)
         self._start(write, copied, then, hold=True)
+
+    def release(self) -> None:
+        """Wait for the save in flight, then let go of the buffers kept for the next
+        snapshot (the run saves no more: what follows, its test, needs the memory)."""
+        self.wait()
+        self._staging.clear()
 
     def save_staged(self, start: Callable[[Any, Callable[[], None] | None], Callable[[], None]],
                     write: Callable[[Any], None], state: Any,
@@ -194,7 +222,10 @@ class Saver:
             return False
         if self.mode is True:
             return True
+        # The buffers kept from the last snapshot are taken already: counted as free.
+        kept = sum(buffer.nbytes() for buffer in self._staging.values())
         need, free = state_bytes(state) * peers, available_memory()
+        free = None if free is None else free + kept
         if free is None or need <= free * _AVAILABLE_SHARE:
             return True
         if not self._warned and not self.quiet:

@@ -348,7 +348,7 @@ class Trainer:
                 self.callbacks.fire("on_fit_start", self)
                 with self.agreement.signal:
                     self._loop()
-                self.wait_for_saves()  # the run ends, and tests best.pt, once it is on disk
+                self.saver.release()  # the run ends, and tests best.pt, once it is on disk
                 if self.status == "running":
                     self.state.status = "completed"
                 if self.t.test and self.status in FINISHED:
