@@ -346,25 +346,11 @@ def save_sharded(tensors: dict, meta: dict | None, path: Path, is_main: bool) ->
     """Write a sharded checkpoint at ``path``; every rank calls it with its own shards in
     ``tensors`` (DTensors), global rank 0 also with ``meta``. A crash at any instant leaves
     the previous checkpoint readable (at ``path`` or, mid-rename, ``path.previous``)."""
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
 
     tmp = _empty_sharded_tmp(path, is_main)
-    try:
-        dcp.save(tensors, checkpoint_id=str(tmp))  # returns once every rank's shards are written
-    except CheckpointException as exc:
-        # Every rank gets every rank's failure, so each says the same; the shards written so
-        # far go once every rank has judged them (the previous checkpoint was not touched).
-        error = _sharded_save_error(exc, path)
-        if dist.is_initialized():
-            dist.barrier()
-        if is_main:
-            _remove(tmp)
-        raise error from None
-    if is_main:
-        assert meta is not None
-        _complete_sharded(tmp, meta, path)
+    # dcp.save returns once every rank's shards are written.
+    _end_sharded(lambda: dcp.save(tensors, checkpoint_id=str(tmp)), tmp, meta, path, is_main)
 
 
 def start_sharded(tensors: dict, meta: dict | None, path: Path, is_main: bool, group: Any,
@@ -379,31 +365,38 @@ def start_sharded(tensors: dict, meta: dict | None, path: Path, is_main: bool, g
     writes ``meta.pt`` and the digests and renames the directory into place, all without a
     collective; a failed write is raised there, as :func:`save_sharded` raises it.
     ``before_write`` is called in DCP's thread before this rank writes (for tests)."""
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
 
     tmp = _empty_sharded_tmp(path, is_main)
     future = dcp.async_save(tensors, storage_writer=_hooked_writer(tmp, before_write),
                             process_group=group)
     assert isinstance(future, Future)  # staged in this thread: only the write's future
+    # On a failure the barrier is the writers' own group's, which nothing else uses then.
+    return functools.partial(_end_sharded, future.result, tmp, meta, path, is_main, group)
 
-    def complete() -> None:
-        try:
-            future.result()
-        except CheckpointException as exc:
-            error = _sharded_save_error(exc, path)
-            # Every rank's completing thread gets the failure: the shards go once each has
-            # judged it (a barrier of the writers' own group, which nothing else uses now).
+
+def _end_sharded(write: Callable[[], Any], tmp: Path, meta: dict | None, path: Path,
+                 is_main: bool, group: Any = None) -> None:
+    """The end of a sharded save into ``tmp``: ``write()`` returns once every rank's shards
+    are on disk, then rank 0 writes ``meta`` and the digests and renames ``tmp`` to ``path``.
+    A failed write reaches every rank (each says the same); the shards written so far go
+    once every rank has judged them (a barrier over ``group``; the previous checkpoint was
+    not touched)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        write()
+    except CheckpointException as exc:
+        error = _sharded_save_error(exc, path)
+        if dist.is_initialized():
             dist.barrier(group=group)
-            if is_main:
-                _remove(tmp)
-            raise error from None
         if is_main:
-            assert meta is not None
-            _complete_sharded(tmp, meta, path)
-
-    return complete
+            _remove(tmp)
+        raise error from None
+    if is_main:
+        assert meta is not None
+        _complete_sharded(tmp, meta, path)
 
 
 def _hooked_writer(path: Path, before_write: Callable[[], None] | None) -> Any:
