@@ -35,8 +35,8 @@ def test_a_job_reserves_a_cpu_per_worker_and_its_gpus_on_each_of_its_nodes() -> 
     assert need_of(_job(2)) == Need(2, 0, 1)
     assert need_of(_job(1, nodes=2)) == Need(1, 0, 2)
     assert need_of(_job(4, gpus=4)) == Need(4, 4, 1)
-    assert Need(2, 1).bundle() == {"CPU": 2.0, "GPU": 1.0}
-    assert Need(1).bundle() == {"CPU": 1.0}
+    assert Need(2, 1).units() == (1, 1)  # on each node: a CPU with its GPU, a CPU alone
+    assert Need(1).units() == (0, 1)
     assert Need(2).describe() == "2 CPUs on one node"
     assert Need(1, 1, 2).describe() == "1 CPU and 1 GPU on each of 2 nodes"
 

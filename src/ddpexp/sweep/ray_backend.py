@@ -1,20 +1,22 @@
 """The Ray backend (:mod:`ddpexp.sweep.backend`) of the ray launcher
 (``hydra/launcher=ray``): every sweep job a ddpexp run on a node of a Ray cluster.
 
-A job reserves a Ray placement group: per node of the job one bundle of its workers' CPUs
-(``trainer.procs``, a CPU each) and GPUs (``trainer.gpus``), as Ray counts them; one bundle
-per node rather than per worker because the job's processes on a node are started together
-and must see every GPU its workers use. A job on one node is one bundle; one with
-``trainer.nodes=N`` is N bundles on N different nodes (``STRICT_SPREAD``), joined as an
-env:// world whose address is the first bundle's node. The sweep keeps one
+A job reserves its workers' CPUs (``trainer.procs``, a CPU each) and GPUs
+(``trainer.gpus``) on a node, as Ray counts them, in :class:`Unit` s: a CPU (with a GPU) of
+one node held by a one-bundle placement group pinned to that node by its node-id label. A
+job with ``trainer.nodes=N`` holds such units on N different nodes, joined as an env://
+world whose address is the first node. The units of a job that ended stay the sweep's for
+:data:`IDLE_S`, and the next job on their node starts in them at once: Ray places a
+reservation on resources that were just given back only at its next scheduling round
+(0.3 s on an idle machine, over a second on a busy one). The sweep keeps one
 :class:`~ddpexp.sweep.ray_job.NodeAgent` actor per node (no resources of its own), which
-forks the processes of each job whose bundle is on its node from a server that imported
-torch, Hydra and ddpexp once (:mod:`ddpexp.sweep.ray_job`): a job starts within a second
-of its bundles being reserved, not after a fresh Ray worker and a fresh interpreter. A job
-with GPUs sees its bundle's GPUs, as a task in that bundle reads them from Ray.
+forks the processes of each job whose units are on its node from a server that imported
+torch, Hydra and ddpexp once (:mod:`ddpexp.sweep.ray_job`): a job starts within
+milliseconds of its units being reserved, not after a fresh Ray worker and a fresh
+interpreter. A job with GPUs sees its units' GPUs, as a task in each unit reads them from Ray.
 
-A job starts as soon as some node has its bundle free (:meth:`RayBackend.start` checks
-the nodes' room as this sweep holds it, then waits briefly for the placement group); the
+A job starts as soon as some node has its CPUs free (:meth:`RayBackend.start` checks
+the nodes' room as this sweep holds it, then waits briefly for the new units); the
 jobs that end are taken as Ray reports them, the first finished first (``ray.wait``). A job
 asking for more than any node has is refused before anything is reserved, naming the job and
 the nodes' sizes. A node that dies mid-job ends that job as failed, naming the node, or,
@@ -51,9 +53,14 @@ log = logging.getLogger("hydra_plugins.ddpexp_launcher")
 # refused connection is tried again (a head that is starting opens its port within seconds).
 CONNECT_TIMEOUT_S = 30.0
 REFUSED_RETRY_S = 5.0
-# How long start() waits for a placement group that the sweep's own count says fits (Ray
-# takes some milliseconds to reserve it); one that is not ready by then waits for a later try.
+# How long start() waits for new units that the sweep's own count says fit (Ray takes some
+# milliseconds to reserve them); those not ready by then are given back for a later try.
 PLACE_WAIT_S = 5.0
+# How long the units of an ended job stay the sweep's, for its next job on their node,
+# before they go back to the cluster.
+IDLE_S = 2.0
+# The label by which Ray names each node's id, which pins a unit to its node.
+NODE_LABEL = "ray.io/node-id"
 # After rank 0 of a job over several nodes has ended, how long the other ranks have to end.
 FOLLOWERS_GRACE_S = 10.0
 # How long the nodes have to answer whether they can write the sweep dir.
@@ -83,8 +90,9 @@ class Need:
     gpus: int = 0
     nodes: int = 1
 
-    def bundle(self) -> dict[str, float]:
-        return {"CPU": float(self.cpus), **({"GPU": float(self.gpus)} if self.gpus else {})}
+    def units(self) -> tuple[int, int]:
+        """The units it holds on each of its nodes: ``(with a GPU, CPU only)``."""
+        return self.gpus, self.cpus - self.gpus
 
     def describe(self) -> str:
         one = _amount(self.cpus, self.gpus)
@@ -179,22 +187,38 @@ def probe(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
 
 
 # ------------------------------------------------------------------------------ the backend
+@dataclass(eq=False)
+class Unit:
+    """A CPU of a node (and a GPU of it, ``gpu``) that the sweep holds: a placement group of
+    one bundle, pinned to the node."""
+
+    node: str
+    gpu: bool
+    pg: Any
+    # The GPU Ray gave the bundle, once asked; when the unit was last given back by a job.
+    gpu_id: str | None = None
+    idle_since: float = 0.0
+
+
 @dataclass
 class Placed:
     """The Ray backend's handle on a job (``Job.handle``)."""
 
     need: Need
-    pg: Any
-    # Its bundles' node ids, once placed; their nodes' agents and the agents' run() refs,
-    # once launched.
-    nodes: list[str] = field(default_factory=list)
+    # Its units by node of the job (rank 0's first), once reserved; their nodes' agents and
+    # the agents' run() refs, once launched.
+    units: list[list[Unit]] = field(default_factory=list)
     agents: list[Any] = field(default_factory=list)
     runs: list[Any] = field(default_factory=list)
     # The job's name with its agents (its index and attempt).
     key: str = ""
     attempt: int = 0
-    # A placement asked again after a node died (retries): not yet launched.
+    # To be placed again after a node died (retries): not yet launched.
     replacing: bool = False
+
+    @property
+    def nodes(self) -> list[str]:
+        return [units[0].node for units in self.units]
 
 
 class RayBackend(Backend):
@@ -215,7 +239,8 @@ class RayBackend(Backend):
         # Every node seen during the sweep: a job too large for all of them is refused; one
         # that only a node that died could hold waits for another like it.
         self.seen: list[Node] = []
-        self._waiting: dict[int, Any] = {}  # job idx -> a placement group not yet ready
+        self.idle: list[Unit] = []  # units of ended jobs, kept for the next (IDLE_S)
+        self._refreshed = 0.0
         self._refused: list[Ended] = []
         self._connected = False
         self._storage_checked = False
@@ -297,8 +322,9 @@ class RayBackend(Backend):
             for job in self.running:
                 if isinstance(job.handle, Placed):
                     self._release(job.handle, kill=True)
-            for pg in self._waiting.values():
-                _remove(pg)
+            for unit in self.idle:
+                _remove(unit.pg)
+            self.idle.clear()
             closing = [agent.close.remote() for agent in self.agents.values()]
             ray.wait(closing, num_returns=len(closing), timeout=CLOSE_S)
             self.agents.clear()
@@ -319,6 +345,8 @@ class RayBackend(Backend):
         alive = {n.id for n in self.nodes}
         for gone in [i for i in self.agents if i not in alive]:
             del self.agents[gone]
+        self._give_back([u for u in self.idle if u.node not in alive])
+        self._refreshed = time.monotonic()
 
     def _agent(self, node_id: str) -> Any:
         """The agent of a node, started for the sweep the first time a node needs it."""
@@ -377,20 +405,96 @@ class RayBackend(Backend):
                 time.sleep(NO_ROOM_S)
                 self._refresh()
             return False
-        pg = self._waiting.pop(job.idx, None) or self._place(need)
-        if not _ready(pg, PLACE_WAIT_S):
-            self._waiting[job.idx] = pg  # held by someone else's tasks: asked again later
+        units = self._reserve(need)
+        if units is None:  # held by someone else's tasks: asked again later
             return False
-        job.handle = Placed(need, pg)
+        job.handle = Placed(need, units)
         self._launch(job)
         self.running.append(job)
         return True
 
-    def _place(self, need: Need) -> Any:
+    def _reserve(self, need: Need) -> list[list[Unit]] | None:
+        """The units of a job of ``need``, on the nodes with room for it as this sweep holds
+        them: the idle units of ended jobs there first, new ones pinned to the node for the
+        rest. None, holding nothing for the job, when no node has room or Ray did not place
+        the new units within :data:`PLACE_WAIT_S` (another user's tasks hold those CPUs)."""
+        import ray
+
+        chosen = self._choose(need)
+        if chosen is None:
+            return None
+        taken: list[list[Unit]] = []
+        new: list[Unit] = []
+        for node in chosen:
+            units = self._take_idle(node, need)
+            with_gpu, cpu_only = need.units()
+            more = [self._unit(node.id, True) for _ in range(with_gpu - sum(u.gpu for u in units))]
+            more += [self._unit(node.id, False)
+                     for _ in range(cpu_only - sum(not u.gpu for u in units))]
+            taken.append(units + more)
+            new += more
+        if new:
+            refs = [u.pg.ready() for u in new]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PLACE_WAIT_S)
+            if len(ready) < len(refs):
+                placed = set(ready)
+                late = [u for u, ref in zip(new, refs, strict=True) if ref not in placed]
+                self._give_back(late)
+                self._park([u for units in taken for u in units if u not in late])
+                return None
+        return taken
+
+    def _choose(self, need: Need) -> list[Node] | None:
+        """The nodes for a job of ``need``: those where this sweep has idle units first (the
+        job starts in them without asking Ray), then the fullest that fits (a small job
+        leaves the larger room to a larger one); None when too few have room."""
+        room = [n for n in self.nodes if n.fits(need)]
+        if len(room) < need.nodes:
+            return None
+        idle = {n.id: sum(u.node == n.id for u in self.idle) for n in room}
+        room.sort(key=lambda n: (-min(idle[n.id], need.cpus), n.cpus - n.used_cpus,
+                                 n.gpus - n.used_gpus))
+        return room[:need.nodes]
+
+    def _take_idle(self, node: Node, need: Need) -> list[Unit]:
+        """The idle units of ``node`` that a job of ``need`` uses there. The node's other idle
+        units go back to the cluster when the job's new units need their room."""
+        with_gpu, cpu_only = need.units()
+        mine = [u for u in self.idle if u.node == node.id]
+        take = [u for u in mine if u.gpu][:with_gpu] + [u for u in mine if not u.gpu][:cpu_only]
+        rest = [u for u in mine if u not in take]
+        self.idle = [u for u in self.idle if u.node != node.id]
+        new_cpus = need.cpus - len(take)
+        new_gpus = need.gpus - sum(u.gpu for u in take)
+        held_cpus = node.used_cpus + len(take) + len(rest)
+        held_gpus = node.used_gpus + sum(u.gpu for u in take) + sum(u.gpu for u in rest)
+        if node.cpus - held_cpus < new_cpus or node.gpus - held_gpus < new_gpus:
+            self._give_back(rest)
+        else:
+            self.idle += rest
+        return take
+
+    def _unit(self, node_id: str, gpu: bool) -> Unit:
+        """A new unit on the node: a one-bundle placement group pinned there."""
         from ray.util.placement_group import placement_group
 
-        return placement_group([need.bundle()] * need.nodes,
-                               strategy="PACK" if need.nodes == 1 else "STRICT_SPREAD")
+        bundle = {"CPU": 1.0, **({"GPU": 1.0} if gpu else {})}
+        return Unit(node_id, gpu, placement_group([bundle],
+                                                  bundle_label_selector=[{NODE_LABEL: node_id}]))
+
+    def _park(self, units: Sequence[Unit]) -> None:
+        """Keep ``units`` for the sweep's next jobs on their nodes, :data:`IDLE_S` at most."""
+        now = time.monotonic()
+        for unit in units:
+            unit.idle_since = now
+        self.idle += units
+
+    def _give_back(self, units: Sequence[Unit]) -> None:
+        """Hand ``units`` back to the cluster."""
+        for unit in units:
+            _remove(unit.pg)
+        gone = set(map(id, units))
+        self.idle = [u for u in self.idle if id(u) not in gone]
 
     def _launch(self, job: Job) -> None:
         """Have the agents of a placed job's nodes start its processes."""
@@ -400,22 +504,21 @@ class RayBackend(Backend):
 
         placed: Placed = job.handle
         placed.replacing = False
-        placed.nodes = _bundle_nodes(placed.pg, placed.need.nodes)
-        for node in self.nodes:
-            share = placed.nodes.count(node.id)
-            node.used_cpus += share * placed.need.cpus
-            node.used_gpus += share * placed.need.gpus
+        self._hold(placed, +1)
         need = placed.need
         placed.agents = [self._agent(node) for node in placed.nodes]
-        gpu_ids: Sequence[list[str] | None] = [None] * need.nodes
-        if need.gpus:
-            # The GPUs Ray gave each bundle, as a task in it sees them.
+        # The GPU Ray gave each unit, as a task in it sees it (asked once a unit).
+        unknown = [u for units in placed.units for u in units if u.gpu and u.gpu_id is None]
+        if unknown:
             task = ray.remote(_gpu_ids)
-            gpu_ids = ray.get([task.options(
-                num_cpus=0, num_gpus=need.gpus, max_retries=0,
+            found = ray.get([task.options(
+                num_cpus=0, num_gpus=1, max_retries=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placed.pg, placement_group_bundle_index=i)).remote()
-                for i in range(need.nodes)], timeout=120)
+                    u.pg, placement_group_bundle_index=0)).remote() for u in unknown], timeout=120)
+            for unit, ids in zip(unknown, found, strict=True):
+                unit.gpu_id = ids[0]
+        gpu_ids = [[str(u.gpu_id) for u in units if u.gpu] if need.gpus else None
+                   for units in placed.units]
         ranks: list[list[dict[str, str]]] = [[{}]]
         if need.nodes > 1:
             addr, port = ray.get(placed.agents[0].where.remote(), timeout=120)
@@ -437,6 +540,14 @@ class RayBackend(Backend):
         log.info("\t%s  [Ray: %s on %s%s]", job.label, _amount(need.cpus, need.gpus),
                  ", ".join(self._ip(n) for n in placed.nodes), again)
 
+    def _hold(self, placed: Placed, sign: int) -> None:
+        """Count a job's units as held (``+1``) or given back (``-1``) on their nodes."""
+        for units in placed.units:
+            for node in self.nodes:
+                if node.id == units[0].node:
+                    node.used_cpus = max(0.0, node.used_cpus + sign * len(units))
+                    node.used_gpus = max(0.0, node.used_gpus + sign * sum(u.gpu for u in units))
+
     def _ip(self, node_id: str) -> str:
         """A node as the log names it: its address and the start of its id (the nodes of
         one machine share the address)."""
@@ -453,20 +564,19 @@ class RayBackend(Backend):
             for end in ended:
                 self.running.remove(end.job)
             return ended
+        now = time.monotonic()
+        self._give_back([u for u in self.idle if now - u.idle_since > IDLE_S])
+        for job in self.running:
+            if isinstance(job.handle, Placed) and job.handle.replacing:
+                self._place_again(job)
         leads = {j.handle.runs[0]: j for j in self.running
                  if isinstance(j.handle, Placed) and j.handle.runs and not j.handle.replacing}
-        again = {j.handle.pg.ready(): j for j in self.running
-                 if isinstance(j.handle, Placed) and j.handle.replacing}
-        refs = [*leads, *again]
-        if not refs:
+        if not leads:
             time.sleep(timeout)
             return []
-        done, _ = ray.wait(refs, num_returns=1, timeout=timeout)
+        done, _ = ray.wait(list(leads), num_returns=1, timeout=timeout)
         ended = []
         for ref in done:
-            if ref in again:
-                self._launch(again[ref])
-                continue
             job = leads[ref]
             end = self._ended(job)
             if end is not None:
@@ -528,32 +638,45 @@ class RayBackend(Backend):
         with open_dict(config):
             if OmegaConf.select(config, "resume", default=None) in (None, "null"):
                 config.resume = "auto"
-        placed.pg = self._place(placed.need)
-        placed.agents, placed.runs, placed.nodes = [], [], []
+        placed.agents, placed.runs = [], []
         placed.replacing = True
 
+    def _place_again(self, job: Job) -> None:
+        """Launch a job whose node died once some node has room for it again (the nodes are
+        looked at again every :data:`NO_ROOM_S`: one may join)."""
+        placed: Placed = job.handle
+        if not fits(placed.need, self.nodes):
+            if time.monotonic() - self._refreshed >= NO_ROOM_S:
+                self._refresh()
+            return
+        units = self._reserve(placed.need)
+        if units is not None:
+            placed.units = units
+            self._launch(job)
+
     def _release(self, placed: Placed, kill: bool = False) -> None:
-        """Give back a job's bundles (and, ``kill``, end its processes first)."""
-        for node in self.nodes:
-            share = placed.nodes.count(node.id)
-            node.used_cpus = max(0.0, node.used_cpus - share * placed.need.cpus)
-            node.used_gpus = max(0.0, node.used_gpus - share * placed.need.gpus)
-        placed.nodes = []
+        """Let go of a job's units: kept for the sweep's next job on their nodes, or, with
+        ``kill`` (its node died, the sweep ends), its processes ended and the units handed
+        back to the cluster."""
+        self._hold(placed, -1)
+        units = [u for node_units in placed.units for u in node_units]
+        placed.units = []
         if kill:
             for agent in placed.agents:
                 try:
                     agent.signal.remote(placed.key, signal.SIGKILL)
                 except Exception:
                     pass
+            self._give_back(units)
+        else:
+            self._park(units)
         placed.agents = []
-        _remove(placed.pg)
 
     def stop(self, job: Job, force: bool = False) -> None:
         placed = job.handle
         if not isinstance(placed, Placed):
             return
         if placed.replacing:  # nothing runs yet: it ends now, unplaced
-            _remove(placed.pg)
             placed.replacing = False
             self._refused.append(Ended(job, None, "it was stopped while waiting to be placed "
                                                   "again after its node died"))
@@ -578,25 +701,10 @@ def world_ranks(need: Need, addr: str, port: int) -> list[list[dict[str, str]]]:
 
 
 def _gpu_ids() -> list[str]:
-    """The GPUs Ray gave the task this runs as (a job's bundle's, in its placement group)."""
+    """The GPUs Ray gave the task this runs as (a unit's, in its placement group)."""
     import ray
 
     return [str(i) for i in ray.get_gpu_ids()]
-
-
-def _ready(pg: Any, timeout: float) -> bool:
-    import ray
-
-    done, _ = ray.wait([pg.ready()], timeout=timeout)
-    return bool(done)
-
-
-def _bundle_nodes(pg: Any, count: int) -> list[str]:
-    """The node id of each bundle of a ready placement group."""
-    from ray.util import placement_group_table
-
-    where = placement_group_table(pg).get("bundles_to_node_id") or {}
-    return [str(where.get(i, "")) for i in range(count)]
 
 
 def _remove(pg: Any) -> None:

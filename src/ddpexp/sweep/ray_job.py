@@ -1,8 +1,8 @@
 """What a Ray node runs for a sweep job of the ray launcher (:mod:`ddpexp.sweep.ray_backend`).
 
 :class:`NodeAgent` is made a Ray actor by the backend, one per node of the cluster for the
-whole sweep, holding no resources of its own: each job's placement group holds the job's
-CPUs and GPUs, and the agent of the node its bundle is on runs the job's processes there.
+whole sweep, holding no resources of its own: each job's placement groups hold the job's
+CPUs and GPUs, and the agent of the node they are on runs the job's processes there.
 Its :meth:`NodeAgent.run` starts them and waits for them; :meth:`NodeAgent.signal` stops
 them. The job itself is the local backend's job process (:mod:`ddpexp.sweep.job`: Hydra's
 ``run_job`` on the pickled task function and config), forked from the agent's fork server
@@ -94,7 +94,7 @@ def free_port() -> int:
 
 class NodeAgent:
     """A node's share of the sweep: one actor per node (``num_cpus=0``), for the whole sweep,
-    that runs the processes of every job with a bundle on the node and stops them when asked.
+    that runs the processes of every job with CPUs reserved on the node and stops them when asked.
 
     It starts a fork server (:mod:`ddpexp.sweep.forkserver`) when the sweep's first jobs
     are about to start (:meth:`warm`), which imports torch, Hydra and ddpexp once; every job
@@ -138,10 +138,10 @@ class NodeAgent:
     def run(self, key: str, spec: bytes, env: dict[str, str], ranks: list[dict[str, str]],
             gpu_ids: list[str] | None = None) -> dict[str, Any]:
         """Run job ``key``'s processes of this node: one per entry of ``ranks`` (the env://
-        variables of each; one empty entry for a job on one node), with ``gpu_ids`` (its
-        bundle's GPUs) visible. Returns, once every one has ended, ``{"codes": [...], "result":
-        bytes | None, "peak": int, "host": ...}``: the job process's JobReturn (cloudpickled,
-        where it wrote one) and exit statuses."""
+        variables of each; one empty entry for a job on one node), with ``gpu_ids`` (the GPUs
+        reserved for it on this node) visible. Returns, once every one has ended,
+        ``{"codes": [...], "result": bytes | None, "peak": int, "host": ...}``: the job
+        process's JobReturn (cloudpickled, where it wrote one) and exit statuses."""
         workdir = tempfile.mkdtemp(prefix="ddpexp-ray-job-")
         spec_path = os.path.join(workdir, "job.spec")
         result_path = os.path.join(workdir, "job.result")
