@@ -59,6 +59,9 @@ PLACE_WAIT_S = 5.0
 # How long the units of an ended job stay the sweep's, for its next job on their node,
 # before they go back to the cluster.
 IDLE_S = 2.0
+# How long a node where Ray did not place new units in time is tried after the others (a
+# node that has just died is listed alive until Ray misses its heartbeats).
+LATE_S = 60.0
 # The label by which Ray names each node's id, which pins a unit to its node.
 NODE_LABEL = "ray.io/node-id"
 # After rank 0 of a job over several nodes has ended, how long the other ranks have to end.
@@ -241,6 +244,7 @@ class RayBackend(Backend):
         self.seen: list[Node] = []
         self.idle: list[Unit] = []  # units of ended jobs, kept for the next (IDLE_S)
         self._refreshed = 0.0
+        self._late: dict[str, float] = {}  # node id -> when Ray last did not place units there
         self._refused: list[Ended] = []
         self._connected = False
         self._storage_checked = False
@@ -417,7 +421,8 @@ class RayBackend(Backend):
         """The units of a job of ``need``, on the nodes with room for it as this sweep holds
         them: the idle units of ended jobs there first, new ones pinned to the node for the
         rest. None, holding nothing for the job, when no node has room or Ray did not place
-        the new units within :data:`PLACE_WAIT_S` (another user's tasks hold those CPUs)."""
+        the new units within :data:`PLACE_WAIT_S` (another user's tasks hold those CPUs, or
+        the node has just died)."""
         import ray
 
         chosen = self._choose(need)
@@ -441,19 +446,27 @@ class RayBackend(Backend):
                 late = [u for u, ref in zip(new, refs, strict=True) if ref not in placed]
                 self._give_back(late)
                 self._park([u for units in taken for u in units if u not in late])
+                # A node that died a moment ago is still listed alive until Ray misses its
+                # heartbeats: the nodes are looked at again, and this one tried last.
+                for unit in late:
+                    self._late[unit.node] = time.monotonic()
+                self._refresh()
                 return None
         return taken
 
     def _choose(self, need: Need) -> list[Node] | None:
         """The nodes for a job of ``need``: those where this sweep has idle units first (the
         job starts in them without asking Ray), then the fullest that fits (a small job
-        leaves the larger room to a larger one); None when too few have room."""
+        leaves the larger room to a larger one), a node where Ray was late of late last;
+        None when too few have room."""
         room = [n for n in self.nodes if n.fits(need)]
         if len(room) < need.nodes:
             return None
+        now = time.monotonic()
         idle = {n.id: sum(u.node == n.id for u in self.idle) for n in room}
-        room.sort(key=lambda n: (-min(idle[n.id], need.cpus), n.cpus - n.used_cpus,
-                                 n.gpus - n.used_gpus))
+        late = {i for i, when in self._late.items() if now - when < LATE_S}
+        room.sort(key=lambda n: (n.id in late, -min(idle[n.id], need.cpus),
+                                 n.cpus - n.used_cpus, n.gpus - n.used_gpus))
         return room[:need.nodes]
 
     def _take_idle(self, node: Node, need: Need) -> list[Unit]:
