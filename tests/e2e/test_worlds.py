@@ -205,10 +205,12 @@ def test_a_raising_rank_under_torchrun_is_named_and_recorded(workdir):
 
 def test_torchrun_restart_resumes_the_same_run_dir(workdir):
     # Rank 1 is SIGKILLed at its 5th forward (epoch 1, after epoch 0's checkpoint), in the
-    # first round only; the agent restarts both workers, which continue the same run.
+    # first round only; the agent restarts both workers, which continue the same run. The
+    # checkpoint is written in the loop: a background write of epoch 0's could still be
+    # under way when the agent stops rank 0 (a loaded CI restarted from scratch).
     res = finish(start([*TORCHRUN, "--nproc-per-node=2", "--max-restarts=1",
                         "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-                        "-m", "ddpexp", *TINY, "trainer.max_epochs=3",
+                        "-m", "ddpexp", *TINY, "trainer.max_epochs=3", "trainer.async_save=false",
                         "model._target_=faulty.Faulty", "+model.mode=kill", "+model.at_call=5",
                         "+model.first_attempt_only=true"], workdir), 300)
     assert res.returncode == 0, res.output
