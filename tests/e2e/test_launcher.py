@@ -393,8 +393,9 @@ def _rss_kib(pid: int) -> int:
 
 
 def _rows_so_far(sweep_dir: Path) -> int:
+    """The completed rows of the sweep's table so far (it also lists the jobs in flight)."""
     try:
-        return len(summary_rows(sweep_dir))
+        return sum(r["status"] == "completed" for r in summary_rows(sweep_dir))
     except (FileNotFoundError, csv.Error):
         return 0
 
