@@ -134,3 +134,28 @@ def test_a_node_that_cannot_write_the_sweep_dir_says_why(tmp_path) -> None:
     assert list(tmp_path.iterdir()) == []  # its probe file is gone
     why = cannot_write(str(tmp_path / "not-mounted" / "sweep"))
     assert why is not None and why.endswith("the directory does not exist there")
+
+
+def test_a_job_goes_where_the_sweep_holds_idle_cpus_else_to_the_fullest_node_that_fits() -> None:
+    """The choice that lets the next job start in an ended job's CPUs without asking Ray."""
+    from types import SimpleNamespace
+
+    from ddpexp.sweep.ray_backend import RayBackend, Unit
+
+    backend = RayBackend(SimpleNamespace(address="auto", max_parallel=None, retries=0))
+    head, node = Node("h", "10.0.0.1", 1), Node("n", "10.0.0.2", 2)
+    backend.nodes = [head, node]
+    # Nothing held: a 1-CPU job takes the fuller node, leaving 2 CPUs for a 2-CPU job.
+    assert backend._choose(Need(1)) == [head]
+    assert backend._choose(Need(2)) == [node]
+    # An ended job's CPU idle on the larger node: the next 1-CPU job goes there.
+    idle = Unit("n", False, None, idle_since=time.monotonic())
+    backend.idle = [idle]
+    assert backend._choose(Need(1)) == [node]
+    # A 2-CPU job there uses the idle CPU and one new; nothing idle is left over.
+    assert backend._take_idle(node, Need(2)) == [idle] and backend.idle == []
+    # A node where Ray did not place units in time (it may have just died) is tried last.
+    backend._late["h"] = time.monotonic()
+    assert backend._choose(Need(1)) == [node]
+    node.used_cpus = 2
+    assert backend._choose(Need(1)) == [head] and backend._choose(Need(2)) is None
