@@ -7,6 +7,7 @@ import io
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -282,11 +283,18 @@ def test_a_staged_save_starts_in_the_loop_and_completes_in_the_writer_thread():
     collectives that stay in the loop) runs in the caller's thread with the writer's hook,
     its completion and ``then`` in the writer's thread; the next save waits for it."""
     saver = background.Saver(True)
-    saver.before_write = lambda: None
+    hooked: list[int] = []
+    saver.before_write = lambda: hooked.append(_nice())
     release, seen = threading.Event(), []
 
     def start(state, hook):
-        seen.append(("start", threading.current_thread().name, state["step"], hook is saver.before_write))
+        # DCP's thread calls the hook before it writes: the test's before_write, at the
+        # writer's priority.
+        dcp_thread = threading.Thread(target=hook)
+        dcp_thread.start()
+        dcp_thread.join()
+        seen.append(("start", threading.current_thread().name, state["step"],
+                     hooked.pop() == _writer_nice()))
 
         def complete():
             release.wait(timeout=60)
@@ -304,6 +312,26 @@ def test_a_staged_save_starts_in_the_loop_and_completes_in_the_writer_thread():
     assert seen == [("start", "MainThread", 1, True), ("complete", "ddpexp-checkpoint-writer", 1),
                     ("then",), ("start", "MainThread", 2, True),
                     ("complete", "ddpexp-checkpoint-writer", 2)]
+
+
+def _nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def _writer_nice() -> int:
+    """The nice value a writer's thread has: the lowest priority on Linux, else the loop's."""
+    return background.WRITER_NICE if sys.platform.startswith("linux") else _nice()
+
+
+def test_the_writer_thread_yields_the_cpu_to_the_loop_and_the_loop_keeps_its_priority():
+    saver = background.Saver(True)
+    seen: list[int] = []
+    saver.before_write = lambda: seen.append(_nice())
+    loop_nice = _nice()
+    saver.save(lambda state: seen.append(_nice()), {"w": torch.ones(3)})
+    saver.wait()
+    assert seen == [_writer_nice(), _writer_nice()]  # before_write, then the write itself
+    assert _nice() == loop_nice
 
 
 def test_under_the_default_every_rank_takes_the_way_they_agree_on():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import zipfile
 
 import pytest
 import torch
@@ -16,6 +17,31 @@ def test_save_atomic_leaves_no_temporary(tmp_path):
     io.save_atomic({"model": {"w": torch.ones(2)}, "step": 1}, path)
     assert sorted(p.name for p in path.parent.iterdir()) == ["last.pt", "last.pt.sha256"]
     assert io.load(path)["step"] == 1
+
+
+def test_a_saved_archive_loads_as_torch_saves_but_without_record_crcs(tmp_path):
+    """The checkpoint's records carry no CRC-32 (the SHA-256 beside it is the check), the
+    process-wide option stays as it was, and the file loads to what ``torch.save`` wrote."""
+    state = {"model": {"w": torch.randn(64, 32), "tied": None}, "step": 3,
+             "optimizer": {"state": {0: {"exp_avg": torch.randn(64, 32)}}}}
+    state["model"]["tied"] = state["model"]["w"][1]
+    io.save_atomic(state, tmp_path / "last.pt")
+    torch.save(state, tmp_path / "ref.pt")
+    assert torch.serialization.get_crc32_options()
+    with zipfile.ZipFile(tmp_path / "last.pt") as ours, zipfile.ZipFile(tmp_path / "ref.pt") as ref:
+        assert [i.filename.split("/", 1)[1] for i in ours.infolist()] == \
+            [i.filename.split("/", 1)[1] for i in ref.infolist()]
+        assert {i.CRC for i in ours.infolist()} == {0}
+        assert all(i.CRC for i in ref.infolist() if i.file_size)
+    loaded = io.load(tmp_path / "last.pt")
+    expected = torch.load(tmp_path / "ref.pt", weights_only=True)
+    assert loaded["step"] == 3
+    for key in ("w", "tied"):
+        assert torch.equal(loaded["model"][key], expected["model"][key])
+    exp_avg = loaded["optimizer"]["state"][0]["exp_avg"]
+    assert torch.equal(exp_avg, expected["optimizer"]["state"][0]["exp_avg"])
+    shared = loaded["model"]["tied"].untyped_storage().data_ptr()
+    assert shared == loaded["model"]["w"].untyped_storage().data_ptr()  # still one storage
 
 
 def test_save_atomic_replaces(tmp_path):
