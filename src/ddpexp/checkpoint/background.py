@@ -57,8 +57,8 @@ def lower_priority() -> None:
     """Give the calling thread (and the threads it starts) the lowest CPU priority, where a
     thread can have one of its own (Linux: a thread's nice value). On an idle core it runs
     as fast as before; beside the loop's threads it yields to them: a 1.6 GB background
-    save beside a 2-thread matmul loop on 2 cores slowed that loop by 3.3-5.2 s at the
-    loop's priority, 0.9-1.0 s at this one (docs/benchmarks.md)."""
+    save beside a 2-thread matmul loop on 2 cores slowed that loop by 4.5 s at the loop's
+    priority, 1.4 s at this one (medians of 3, docs/benchmarks.md)."""
     if not sys.platform.startswith("linux"):
         return  # elsewhere PRIO_PROCESS with a thread's id would name some process
     tid = threading.get_native_id()
