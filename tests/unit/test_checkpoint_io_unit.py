@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import zipfile
 
 import pytest
@@ -42,6 +44,33 @@ def test_a_saved_archive_loads_as_torch_saves_but_without_record_crcs(tmp_path):
     assert torch.equal(exp_avg, expected["optimizer"]["state"][0]["exp_avg"])
     shared = loaded["model"]["tied"].untyped_storage().data_ptr()
     assert shared == loaded["model"]["w"].untyped_storage().data_ptr()  # still one storage
+
+
+_FAILED_WRITE = """
+import gc, sys, torch
+from ddpexp.checkpoint.io import write_archive
+class Unpicklable:
+    def __reduce__(self):
+        raise RuntimeError("cannot pickle")
+with open(sys.argv[1], "wb") as f:
+    try:
+        write_archive({"w": torch.ones(3), "bad": Unpicklable()}, f)
+    except RuntimeError as e:
+        kept = e  # the traceback holds the writer past the file's close
+del kept
+gc.collect()
+print("collected")
+"""
+
+
+def test_a_write_that_fails_midway_leaves_no_writer_to_abort_the_process_later(tmp_path):
+    """A writer left unfinished would finish the file when collected, after the file was
+    closed: the write raises inside a C++ destructor and the whole process aborts (a test
+    worker died so, long after the failing save). Run apart, so an abort fails only this."""
+    done = subprocess.run([sys.executable, "-c", _FAILED_WRITE, str(tmp_path / "x.pt")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "collected"
 
 
 def test_save_atomic_replaces(tmp_path):

@@ -32,6 +32,7 @@ as bad.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import hashlib
@@ -113,7 +114,15 @@ def write_archive(obj: Any, f: BinaryIO) -> None:
     except (AttributeError, TypeError):
         torch.save(obj, f)
         return
-    save(obj, writer, pickle, serialization.DEFAULT_PROTOCOL, False)
+    try:
+        save(obj, writer, pickle, serialization.DEFAULT_PROTOCOL, False)
+    except BaseException:
+        # An unfinished writer finishes the file when it is destroyed; by then ``f`` is
+        # closed, the write raises inside a C++ destructor and the process aborts. Finish
+        # it now, while ``f`` is open; the half-written file is the caller's to discard.
+        with contextlib.suppress(Exception):
+            writer.write_end_of_file()
+        raise
     writer.write_end_of_file()
 
 
