@@ -61,7 +61,7 @@ def interrupt(workdir: Path, args: list[str], sig: int, env: dict | None = None,
 def check_interrupted(run_dir: Path, res, took: float, name: str) -> dict:
     assert not res.leftovers, f"processes left behind: {res.leftovers}"
     assert took < 60, took
-    assert res.returncode != 0
+    assert res.returncode == 128 + signal.Signals[name], res.stderr  # as a shell reports it
     assert "Traceback" not in res.output, res.output
     assert f"{command_line_override('resume', run_dir)} " in res.stderr, res.stderr
     assert f"{name}: stopped at epoch" in res.output
@@ -233,7 +233,7 @@ def test_a_second_sigint_still_leaves_a_status(workdir):
     proc.send_signal(signal.SIGINT)
     res = finish(proc, timeout=60)
     assert not res.leftovers
-    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert res.returncode == 130 and "Traceback" not in res.stderr, res.stderr
     metrics = read_metrics(run_dir)
     assert metrics["status"] == "interrupted"
     assert "second SIGINT" in metrics.get("error", "") or metrics.get("stopped_by") == "SIGINT"
@@ -256,7 +256,7 @@ def test_one_ctrl_c_before_the_first_checkpoint_lets_the_same_command_start_agai
     wait_for(started, proc)
     os.killpg(proc.pid, signal.SIGINT)
     res = finish(proc, 60)
-    assert not res.leftovers and res.returncode != 0
+    assert not res.leftovers and res.returncode == 130, res.stderr
     assert "Traceback" not in res.output and "second" not in res.output, res.output
     assert res.stderr.startswith("stopped by SIGINT before training began; no checkpoint was "
                                  "saved yet."), res.stderr

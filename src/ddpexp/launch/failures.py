@@ -191,10 +191,24 @@ def _report(exc: BaseException, hydra_cfg: Any) -> NoReturn:
     """End a run with ddpexp's message ``exc``. A run on its own leaves with it as its exit
     message: raised on, Hydra would print "Error executing job with overrides: [...]" first.
     A sweep's job raises it for the launcher, which puts it in the job's row;
-    ``HYDRA_FULL_ERROR=1`` raises it too, for the whole traceback."""
+    ``HYDRA_FULL_ERROR=1`` raises it too, for the whole traceback. A run a signal stopped
+    exits as a shell reports a command that signal ended, 128 + its number (130 for Ctrl-C),
+    whether it came before training began or during it; other failures exit 1."""
     if hydra_cfg.mode == RunMode.RUN and not env_flag("HYDRA_FULL_ERROR"):
-        raise SystemExit(str(exc)) from None
+        signum = _signal_number(exc.signal) if isinstance(exc, RunInterrupted) else None
+        if signum is None:
+            raise SystemExit(str(exc)) from None
+        print(exc, file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum) from None
     raise exc from None
+
+
+def _signal_number(name: str | None) -> int | None:
+    """The number of the signal called ``name`` (``"SIGINT"``), where it is one."""
+    try:
+        return int(signal.Signals[name]) if name else None
+    except KeyError:
+        return None
 
 
 def _ignore_further_interrupts() -> None:
