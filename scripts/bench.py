@@ -815,7 +815,7 @@ def fsdp_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str:
 
 # ---------------------------------------------------------------------- the save case
 SAVE = "save"
-# The save case's variants: no checkpoint mid-run, and every SAVE_EVERY steps in the loop or
+# The save case's variants: no checkpoint mid-run, and every few steps (SAVE_PLAN) in the loop or
 # in the background (trainer.async_save).
 SAVE_VARIANTS = {"none": [], "sync": ["trainer.async_save=false"],
                  "async": ["trainer.async_save=true"]}
@@ -830,22 +830,32 @@ SAVE_STRATEGIES = {"single": ["trainer.strategy=single"],
 def save_args(quick: bool, variant: str, text: Path, out: Path, strategy: str = "single") -> list[str]:
     """The fsdp case's GPT of about 151M parameters (quick: 2 blocks of width 64) with AdamW
     on the CPU under ``strategy`` (SAVE_STRATEGIES), logging every step; ``variant`` saves
-    ``last.pt`` every SAVE_EVERY steps (steps 2, 4 and 6 of 7) in the loop or in the
-    background, or not mid-run."""
+    ``last.pt`` every few steps (SAVE_PLAN) in the loop or in the background, or not
+    mid-run."""
+    every_n, steps = SAVE_PLAN[strategy]
     size = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4"] if quick else \
         ["model.n_layer=12", "model.n_embd=1024", "model.n_head=16"]
-    every = [f"trainer.ckpt_every_steps={SAVE_EVERY}"] if variant != "none" else []
+    every = [f"trainer.ckpt_every_steps={every_n}"] if variant != "none" else []
     return [sys.executable, "-m", "ddpexp", "task=lm", "model=gpt", *size, "data=text",
             f"data.path={text}", "data.block_size=32", "data.batch_size=2", "optimizer=adamw",
-            *SAVE_STRATEGIES[strategy], f"trainer.max_steps={SAVE_STEPS}",
+            *SAVE_STRATEGIES[strategy], f"trainer.max_steps={steps}",
             "trainer.log_every_n_steps=1", "trainer.limit_val_batches=1", "trainer.test=false",
             "trainer.progress_bar=false", *every, *SAVE_VARIANTS[variant],
             "+callbacks.clock._target_=bench_clock.StepClock",
             f"+callbacks.clock.path={out / 'step_ends.json'}", f"hydra.run.dir={out}"]
 
 
-SAVE_EVERY, SAVE_STEPS = 2, 7
-SAVED_AT = list(range(SAVE_EVERY, SAVE_STEPS, SAVE_EVERY))  # the last step saves at the end
+# (save every N steps, steps) under each strategy: three saves mid-run, further apart than
+# a write of the full-size checkpoint takes here (one process: 0.8 s a step, 3 to 5 s a
+# write; fsdp over 2 workers: 5.5 s a step). Closer saves would measure the disk's speed: a
+# background save waits for the one before it (one save in flight).
+SAVE_PLAN = {"single": (8, 25), "fsdp": (2, 7)}
+
+
+def saved_at(strategy: str) -> list[int]:
+    """The steps that save mid-run (the last step saves at the end of every run)."""
+    every_n, steps = SAVE_PLAN[strategy]
+    return list(range(every_n, steps, every_n))
 
 
 # A callback that the save case's runs load from the bench's temp dir: the loop's own clock
@@ -874,14 +884,14 @@ def _step_ends(out: Path) -> list[float]:
     return json.loads((out / "step_ends.json").read_text())
 
 
-def _stops(ends: list[float]) -> list[float]:
+def _stops(ends: list[float], saved: Sequence[int]) -> list[float]:
     """The seconds each mid-run save stopped the loop, read inside one run: the interval
     from the end of its step to the end of the next, minus the median interval between
     steps that follow no save (robust to a load that drifts between runs)."""
     # ends[i] is the end of step i + 1; intervals[s] is the time from step s - 1 to step s.
     intervals = {s: ends[s - 1] - ends[s - 2] for s in range(2, len(ends) + 1)}
-    plain = statistics.median(v for s, v in intervals.items() if s - 1 not in SAVED_AT)
-    return [intervals[s + 1] - plain for s in SAVED_AT]
+    plain = statistics.median(v for s, v in intervals.items() if s - 1 not in saved)
+    return [intervals[s + 1] - plain for s in saved]
 
 
 def _size(path: Path) -> int:
@@ -918,7 +928,7 @@ def save_strategy_bench(quick: bool, repeats: int, env: dict, timeout: float,
                                            env, timeout)
                 ends = _step_ends(out)
                 size = _size(out / "checkpoints" / "last.pt")
-                stops = _stops(ends) if name != "none" else []
+                stops = _stops(ends, saved_at(strategy)) if name != "none" else []
                 figures[name].append({"loop_s": ends[-1] - ends[0], "wall_s": wall, "rss_mib": rss,
                                       "ckpt_mib": size / 2**20, "stops": stops})
                 shutil.rmtree(out / "checkpoints")  # some GB each at full size
@@ -931,7 +941,7 @@ def save_strategy_bench(quick: bool, repeats: int, env: dict, timeout: float,
         return statistics.median(f[key] for f in figures[name])
 
     base_loop, base_rss = med("none", "loop_s"), med("none", "rss_mib")
-    saves = len(SAVED_AT)
+    saves = len(saved_at(strategy))
     stall = {name: statistics.median((f["loop_s"] - b["loop_s"]) / saves for f, b in
                                      zip(figures[name], figures["none"], strict=True))
              for name in ("sync", "async")}
@@ -939,9 +949,9 @@ def save_strategy_bench(quick: bool, repeats: int, env: dict, timeout: float,
             for name in ("sync", "async")}
     where = "one process" if strategy == "single" else "fsdp over 2 gloo workers"
     lines = [f"GPT ({'2 x 64' if quick else '12 x 1024, about 151M parameters'}), AdamW, "
-             f"{where} on the CPU, {SAVE_STEPS} steps of 2 x 32 tokens, last.pt "
+             f"{where} on the CPU, {SAVE_PLAN[strategy][1]} steps of 2 x 32 tokens, last.pt "
              f"{med('sync', 'ckpt_mib'):.0f} MiB saved at steps "
-             f"{', '.join(map(str, SAVED_AT))}; medians of {repeats} round(s), load average "
+             f"{', '.join(map(str, saved_at(strategy)))}; medians of {repeats} round(s), load average "
              f"{os.getloadavg()[0]:.1f} at the end", "",
              "| trainer.async_save | loop s | stall per save s (loop - no-save loop) "
              "| stop at a save s (in-run) | peak RSS MiB | RSS over no saves MiB |",

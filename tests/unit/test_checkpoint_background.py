@@ -285,9 +285,10 @@ def test_a_staged_save_starts_in_the_loop_and_completes_in_the_writer_thread():
     saver = background.Saver(True)
     hooked: list[int] = []
     saver.before_write = lambda: hooked.append(_nice())
-    release, seen = threading.Event(), []
+    release, seen, stagings = threading.Event(), [], []
 
-    def start(state, hook):
+    def start(state, hook, staging):
+        stagings.append(staging)  # the buffers of the last save, for the next
         # DCP's thread calls the hook before it writes: the test's before_write, at the
         # writer's priority.
         dcp_thread = threading.Thread(target=hook)
@@ -312,6 +313,7 @@ def test_a_staged_save_starts_in_the_loop_and_completes_in_the_writer_thread():
     assert seen == [("start", "MainThread", 1, True), ("complete", "ddpexp-checkpoint-writer", 1),
                     ("then",), ("start", "MainThread", 2, True),
                     ("complete", "ddpexp-checkpoint-writer", 2)]
+    assert isinstance(stagings[0], ckpt_io.HostStaging) and stagings[1] is stagings[0]
 
 
 def _nice() -> int:
@@ -340,7 +342,7 @@ def test_under_the_default_every_rank_takes_the_way_they_agree_on():
     nobody."""
     asked, written = [], []
 
-    def start(state, hook):
+    def start(state, hook, staging):
         return lambda: written.append("background")
 
     def in_loop(state):
@@ -363,7 +365,7 @@ def test_under_the_default_every_rank_takes_the_way_they_agree_on():
 def test_a_staged_save_that_fails_is_reported_once():
     saver = background.Saver(True)
 
-    def start(state, hook):
+    def start(state, hook, staging):
         def complete():
             raise OSError(28, "No space left on device", "last.pt")
         return complete

@@ -73,6 +73,38 @@ def test_a_write_that_fails_midway_leaves_no_writer_to_abort_the_process_later(t
     assert done.stdout.strip() == "collected"
 
 
+def test_a_sharded_save_stages_into_the_last_saves_buffers_while_the_layout_holds(gloo_group):
+    """DCP's stager of the background sharded save: each save copies the shards into the
+    buffers of the last (no new allocation, no deep copy of each DTensor), a copy that the
+    loop's later steps do not reach, with the plain values of this save; a tensor whose
+    shape changed gets fresh buffers."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    w = distribute_tensor(torch.arange(12.0).reshape(3, 4), mesh, [Shard(0)])
+    state = {"model": {"w": w, "b": torch.ones(4)},
+             "optimizer": {"state": {"w": {"step": torch.tensor(1.0)}},
+                           "param_groups": [{"lr": 0.1, "params": ["w"]}]}}
+    staging = io.HostStaging()
+    first = staging.stage(state)
+    buffer = first["model"]["w"].to_local().data_ptr()
+    assert torch.equal(first["model"]["w"].full_tensor(), torch.arange(12.0).reshape(3, 4))
+    w.to_local().mul_(-1)  # the loop stepped on; the first save's write has ended
+    state["optimizer"]["param_groups"][0]["lr"] = 0.2
+    second = staging.stage(state)
+    assert second["model"]["w"].to_local().data_ptr() == buffer
+    assert torch.equal(second["model"]["w"].to_local(), w.to_local())
+    assert second["optimizer"]["param_groups"][0]["lr"] == 0.2
+    w.to_local().add_(5)
+    assert torch.equal(second["model"]["w"].to_local(), -torch.arange(12.0).reshape(3, 4))
+    state["model"]["b"] = torch.ones(5)
+    third = staging.stage(state)
+    assert third["model"]["b"].shape == (5,)
+    assert third["model"]["w"].to_local().data_ptr() != buffer  # all made afresh
+    staging.clear()
+
+
 def test_save_atomic_replaces(tmp_path):
     path = tmp_path / "last.pt"
     io.save_atomic({"model": {}, "step": 1}, path)

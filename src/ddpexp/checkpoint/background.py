@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from ddpexp.checkpoint.io import HostStaging
+
 log = logging.getLogger("ddpexp")
 
 # The share of the host's available memory that a snapshot may take under the default:
@@ -178,8 +180,10 @@ class Saver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._warned = False
-        # The host buffers of the last background snapshot, reused by the next one.
+        # The host buffers of the last background snapshot, reused by the next one (of a
+        # staged save's, kept by DCP's stager).
         self._staging: Staging = {}
+        self._host_staging = HostStaging()
         #: A hook for tests and measurements: called in the writer's thread before it writes
         #: (for :meth:`save_staged`, in DCP's thread, on every rank that sets it).
         self.before_write: Callable[[], None] | None = None
@@ -209,15 +213,18 @@ class Saver:
         snapshot (the run saves no more: what follows, its test, needs the memory)."""
         self.wait()
         self._staging.clear()
+        self._host_staging.clear()
 
-    def save_staged(self, start: Callable[[Any, Callable[[], None] | None], Callable[[], None]],
+    def save_staged(self, start: Callable[[Any, Callable[[], None] | None, HostStaging],
+                                          Callable[[], None]],
                     write: Callable[[Any], None], state: Any,
                     then: Callable[[], None] | None = None,
                     agree: Callable[[bool], bool] | None = None, peers: int = 1) -> None:
         """The save of a strategy whose every rank writes (fsdp), called by every rank at the
-        same point: in the background, ``start(state, before_write)`` runs here, in the
-        loop's thread (it copies ``state`` to host memory, runs the save's collectives that
-        must stay in the loop and starts the write) and returns what completes the save,
+        same point: in the background, ``start(state, before_write, staging)`` runs here, in
+        the loop's thread (it copies ``state`` to host memory, into ``staging``'s buffers of
+        the last save where they fit, runs the save's collectives that must stay in the
+        loop and starts the write) and returns what completes the save,
         which the writer's thread then runs, followed by ``then``; else ``write(state)``
         here. Under ``mode=None`` the verdict on the memory (``peers`` ranks of this host
         each copy their shards at once) is made the same on every rank by ``agree`` (a
@@ -232,7 +239,7 @@ class Saver:
             if then is not None:
                 then()
             return
-        complete = start(state, self._in_dcp_thread)
+        complete = start(state, self._in_dcp_thread, self._host_staging)
         self._start(lambda _: complete(), None, then, hold=False)
 
     def _in_dcp_thread(self) -> None:

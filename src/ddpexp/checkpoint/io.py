@@ -40,7 +40,7 @@ import os
 import pickle
 import re
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -385,8 +385,65 @@ def save_sharded(tensors: dict, meta: dict | None, path: Path, is_main: bool) ->
     _end_sharded(lambda: dcp.save(tensors, checkpoint_id=str(tmp)), tmp, meta, path, is_main)
 
 
+class HostStaging:
+    """Where a background sharded save copies this rank's shards (DCP's stager for
+    :func:`start_sharded`): host buffers made at the first save and copied into at each
+    later one, while the state's layout (every tensor's place, shape and dtype) stays the
+    same. DCP's default stager builds fresh buffers at every save, deep-copying each CPU
+    DTensor on the way: on the CPU a 150M-parameter model's save stopped the loop for
+    1.6 s of which one copy is 0.4 s. A buffer is written again only by the next save,
+    which starts after this one's write ended (one save in flight). Pinned where the
+    state is on a GPU; :meth:`clear` lets go of the buffers."""
+
+    # The copy is done when stage() returns: DCP has nothing to wait for after it.
+    should_synchronize_after_execute = False
+
+    def __init__(self) -> None:
+        self._buffers: Any = None
+        self._layout: tuple = ()
+
+    def stage(self, state_dict: dict) -> dict:
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        layout = tuple(_layout(state_dict))
+        if self._buffers is None or layout != self._layout:
+            pinned = torch.cuda.is_available() and any(
+                len(entry) == 6 and entry[1].startswith("cuda") for entry in layout)
+            self._buffers, self._layout = None, ()
+            self._buffers = _create_cpu_state_dict(state_dict, pin_memory=pinned)
+            self._layout = layout
+        return _copy_state_dict(state_dict, self._buffers, type_check=False)
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` copies before it returns."""
+
+    def close(self) -> None:
+        """The buffers are kept for the next save (:meth:`clear` lets go of them)."""
+
+    def clear(self) -> None:
+        self._buffers, self._layout = None, ()
+
+
+def _layout(obj: Any, path: str = "") -> Iterator[tuple]:
+    """(path, device, type, shape, local shape, dtype) of every tensor in ``obj``, and the
+    path of every container: what must stay the same for staged buffers to be reused."""
+    if isinstance(obj, torch.Tensor):
+        local = getattr(obj, "_local_tensor", obj)
+        yield (path, str(obj.device), type(obj).__name__, tuple(obj.shape),
+               tuple(local.shape), obj.dtype)
+    elif isinstance(obj, dict):
+        yield (path, "dict", len(obj))
+        for key, value in obj.items():
+            yield from _layout(value, f"{path}/{key}")
+    elif isinstance(obj, (list, tuple)):
+        yield (path, type(obj).__name__, len(obj))
+        for i, value in enumerate(obj):
+            yield from _layout(value, f"{path}/{i}")
+
+
 def start_sharded(tensors: dict, meta: dict | None, path: Path, is_main: bool, group: Any,
-                  before_write: Callable[[], None] | None = None) -> Callable[[], None]:
+                  before_write: Callable[[], None] | None = None,
+                  staging: HostStaging | None = None) -> Callable[[], None]:
     """:func:`save_sharded` in the background (``torch.distributed.checkpoint.async_save``):
     every rank calls it in the loop's thread, at the same point. Each copies its shards to
     host memory before it returns (what is written is the state of this moment), and DCP's
@@ -396,12 +453,14 @@ def start_sharded(tensors: dict, meta: dict | None, path: Path, is_main: bool, g
     rank only once every rank's shards and DCP's metadata are on disk) and on global rank 0
     writes ``meta.pt`` and the digests and renames the directory into place, all without a
     collective; a failed write is raised there, as :func:`save_sharded` raises it.
-    ``before_write`` is called in DCP's thread before this rank writes (for tests)."""
+    ``before_write`` is called in DCP's thread before this rank writes (for tests);
+    ``staging``: the host buffers kept from the last save, reused where they fit."""
     import torch.distributed.checkpoint as dcp
 
     tmp = _empty_sharded_tmp(path, is_main)
+    stager: Any = staging if staging is not None else HostStaging()
     future = dcp.async_save(tensors, storage_writer=_hooked_writer(tmp, before_write),
-                            process_group=group)
+                            process_group=group, async_stager=stager)
     assert isinstance(future, Future)  # staged in this thread: only the write's future
     # On a failure the barrier is the writers' own group's, which nothing else uses then.
     return functools.partial(_end_sharded, future.result, tmp, meta, path, is_main, group)

@@ -129,7 +129,8 @@ class Strategy(ABC):
             ckpt_io.copy_atomic(last, path)
 
     def start_save(self, state: dict | None, last: Path, copies: Sequence[Path] = (),
-                   before_write: Callable[[], None] | None = None) -> Callable[[], None]:
+                   before_write: Callable[[], None] | None = None,
+                   staging: ckpt_io.HostStaging | None = None) -> Callable[[], None]:
         """Where :attr:`staged_save`: begin :meth:`save` in the loop's thread, every rank at
         the same point (copying the state to host memory and running what collectives stay
         in the loop), and return what completes it in a background thread."""

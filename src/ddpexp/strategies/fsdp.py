@@ -153,13 +153,16 @@ class FSDP(DDP):
                     ckpt_io.copy_atomic(copies[0], path)
 
     def start_save(self, state: dict | None, last: Path, copies: Sequence[Path] = (),
-                   before_write: Callable[[], None] | None = None) -> Callable[[], None]:
+                   before_write: Callable[[], None] | None = None,
+                   staging: ckpt_io.HostStaging | None = None) -> Callable[[], None]:
         """:meth:`save` in the background: this rank's shards copied to host memory and
         written by ``torch.distributed.checkpoint.async_save`` over a gloo group of the
         writers' own (created at the first save, every rank at the same point), so that its
         collectives, in DCP's thread, never race the loop's on the default group. best.pt's
         and the top-k files' whole weights are gathered here, in the loop (a collective on
-        the default group); rank 0 writes them once the shards are in place. Returns what
+        the default group); rank 0 writes them once the shards are in place. ``staging``:
+        the host buffers of the last save, which the shards are copied into where they
+        fit. Returns what
         completes the save (:func:`ddpexp.checkpoint.io.start_sharded`), for the writer's
         thread."""
         assert state is not None  # every rank gathers its shards
@@ -168,7 +171,7 @@ class FSDP(DDP):
         tensors = {k: state.pop(k) for k in ckpt_io.SHARDED_KEYS if k in state}
         meta = snapshot(state) if self.ctx.is_main else None  # the rest: small, copied here
         complete = ckpt_io.start_sharded(tensors, meta, last, self.ctx.is_main,
-                                         self._save_group, before_write)
+                                         self._save_group, before_write, staging)
         whole = self._gather(tensors["model"]) if copies else None  # fresh CPU copies
         single = {**meta, "model": whole} if whole is not None and meta is not None else None
 

@@ -267,7 +267,8 @@ class Trainer:
         strategy = self.strategy
         if strategy.staged_save:  # every rank writes (fsdp)
             self.saver.save_staged(
-                lambda state, hook: strategy.start_save(state, last, copies, hook),
+                lambda state, hook, staging: strategy.start_save(state, last, copies, hook,
+                                                                 staging),
                 lambda state: strategy.save(state, last, copies), checkpoint, then,
                 agree=strategy.agree, peers=self.ctx.local_world_size)
         else:
