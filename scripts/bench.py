@@ -845,11 +845,13 @@ def save_args(quick: bool, variant: str, text: Path, out: Path, strategy: str = 
             f"+callbacks.clock.path={out / 'step_ends.json'}", f"hydra.run.dir={out}"]
 
 
-# (save every N steps, steps) under each strategy: three saves mid-run, further apart than
-# a write of the full-size checkpoint takes here (one process: 0.8 s a step, 3 to 5 s a
-# write; fsdp over 2 workers: 5.5 s a step). Closer saves would measure the disk's speed: a
-# background save waits for the one before it (one save in flight).
-SAVE_PLAN = {"single": (8, 25), "fsdp": (2, 7)}
+# (save every N steps, steps) under each strategy: three saves mid-run, about 15 s apart
+# (one process: 0.8 to 1 s a step; fsdp over 2 workers: 5.5 s a step), further apart than
+# the write of the full-size checkpoint takes in the loop (3 to 5 s). A background save
+# waits for the one before it (one save in flight): where the write, at the lowest
+# priority beside a loop that keeps both cores busy, has not ended by the next save, that
+# save's stop is the rest of it (docs/benchmarks.md).
+SAVE_PLAN = {"single": (16, 49), "fsdp": (4, 13)}
 
 
 def saved_at(strategy: str) -> list[int]:

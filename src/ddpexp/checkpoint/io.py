@@ -391,7 +391,7 @@ class HostStaging:
     later one, while the state's layout (every tensor's place, shape and dtype) stays the
     same. DCP's default stager builds fresh buffers at every save, deep-copying each CPU
     DTensor on the way: on the CPU a 150M-parameter model's save stopped the loop for
-    1.6 s of which one copy is 0.4 s. A buffer is written again only by the next save,
+    1.6 s, of which the copy was 0.14 s. A buffer is written again only by the next save,
     which starts after this one's write ended (one save in flight). Pinned where the
     state is on a GPU; :meth:`clear` lets go of the buffers."""
 
@@ -403,14 +403,14 @@ class HostStaging:
         self._layout: tuple = ()
 
     def stage(self, state_dict: dict) -> dict:
-        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+        from torch.distributed._state_dict_utils import _copy_state_dict
 
         layout = tuple(_layout(state_dict))
         if self._buffers is None or layout != self._layout:
             pinned = torch.cuda.is_available() and any(
                 len(entry) == 6 and entry[1].startswith("cuda") for entry in layout)
             self._buffers, self._layout = None, ()
-            self._buffers = _create_cpu_state_dict(state_dict, pin_memory=pinned)
+            self._buffers = _host_buffers(state_dict, pinned)
             self._layout = layout
         return _copy_state_dict(state_dict, self._buffers, type_check=False)
 
@@ -422,6 +422,28 @@ class HostStaging:
 
     def clear(self) -> None:
         self._buffers, self._layout = None, ()
+
+
+def _host_buffers(obj: Any, pinned: bool) -> Any:
+    """Empty host tensors shaped as those of ``obj`` (a DTensor's: this rank's shard, in a
+    DTensor of the same mesh and placements), in the same containers; other values as
+    they are (the copy takes each save's own). Made directly: DCP's own
+    ``_create_cpu_state_dict`` deep-copies every CPU DTensor, data included, first."""
+    if isinstance(obj, torch.Tensor):
+        local = getattr(obj, "_local_tensor", None)
+        if obj.dim() == 0 or local is None:
+            return torch.empty(obj.shape, dtype=obj.dtype, pin_memory=pinned and obj.is_cuda)
+        from torch.distributed.tensor import DTensor
+
+        buffer = torch.empty(local.shape, dtype=local.dtype, pin_memory=pinned and local.is_cuda)
+        return DTensor.from_local(buffer, obj.device_mesh, obj.placements, run_check=False,
+                                  shape=obj.shape, stride=obj.stride())
+    if isinstance(obj, dict):
+        return {key: _host_buffers(value, pinned) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        values = [_host_buffers(value, pinned) for value in obj]
+        return values if isinstance(obj, list) else tuple(values)
+    return obj
 
 
 def _layout(obj: Any, path: str = "") -> Iterator[tuple]:
