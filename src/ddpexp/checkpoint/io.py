@@ -430,11 +430,11 @@ def _host_buffers(obj: Any, pinned: bool) -> Any:
     they are (the copy takes each save's own). Made directly: DCP's own
     ``_create_cpu_state_dict`` deep-copies every CPU DTensor, data included, first."""
     if isinstance(obj, torch.Tensor):
-        local = getattr(obj, "_local_tensor", None)
-        if obj.dim() == 0 or local is None:
-            return torch.empty(obj.shape, dtype=obj.dtype, pin_memory=pinned and obj.is_cuda)
         from torch.distributed.tensor import DTensor
 
+        if not isinstance(obj, DTensor):
+            return torch.empty(obj.shape, dtype=obj.dtype, pin_memory=pinned and obj.is_cuda)
+        local = obj.to_local()
         buffer = torch.empty(local.shape, dtype=local.dtype, pin_memory=pinned and local.is_cuda)
         return DTensor.from_local(buffer, obj.device_mesh, obj.placements, run_check=False,
                                   shape=obj.shape, stride=obj.stride())
