@@ -4,6 +4,7 @@ tiny app, run in this process one at a time by a backend of this module."""
 
 from __future__ import annotations
 
+import pickle
 import time
 from pathlib import Path
 from typing import Any
@@ -14,12 +15,13 @@ from hydra import initialize_config_dir
 from hydra._internal.callbacks import Callbacks
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.utils import JobStatus, run_job
+from hydra.core.utils import JobReturn, JobStatus, run_job
 from hydra.types import HydraContext, RunMode
+from omegaconf import DictConfig, OmegaConf
 
 from ddpexp.record import write_metrics
 from ddpexp.sweep import driver
-from ddpexp.sweep.backend import Backend, Ended, Job, JobFailed, JobSkipped
+from ddpexp.sweep.backend import Backend, Ended, Job, JobFailed, JobSkipped, PackedReturn
 
 CONFIG = """\
 x: 0
@@ -222,3 +224,23 @@ def test_the_summary_callback_leaves_the_table_to_launchers_the_driver_runs(targ
     from ddpexp import report
 
     assert report._drives_its_sweep(target) is drives
+
+
+def test_an_ended_jobs_return_keeps_its_configs_as_bytes_until_read():
+    """The launcher holds every ended job's return to the sweep's end: its configs are kept
+    compressed, each read gives an equal copy, the rest of the return is as it was."""
+    cfg = OmegaConf.create({"x": 1, "table": list(range(2000))})
+    hydra_cfg = OmegaConf.create({"hydra": {"job": {"name": "train"}}})
+    ret = JobReturn(overrides=["x=1"], cfg=cfg, hydra_cfg=hydra_cfg, working_dir="0",
+                    task_name="train", status=JobStatus.COMPLETED, _return_value=0.5)
+    packed = PackedReturn.of(ret)
+    held = vars(packed)
+    assert not any(isinstance(v, DictConfig) for v in held.values())
+    kept = sum(len(v) for v in held.values() if isinstance(v, bytes))
+    assert 0 < kept < len(pickle.dumps(cfg)) / 8  # 10 KiB for 123 KiB of pickled nodes
+    assert packed.cfg == cfg and packed.cfg is not cfg
+    assert packed.hydra_cfg.hydra.job.name == "train"
+    assert (packed.overrides, packed.working_dir, packed.task_name) == (["x=1"], "0", "train")
+    assert packed.return_value == 0.5
+    assert PackedReturn.of(packed) is packed
+    assert PackedReturn.of(JobReturn(status=JobStatus.FAILED)).cfg is None

@@ -44,6 +44,47 @@ class SweepInterrupted(CompactHydraException):
     """SIGTERM/SIGINT stopped the sweep; the message says how to resume it."""
 
 
+class _Packed:
+    """A field of :class:`PackedReturn`, kept pickled and compressed: each read unpickles a
+    fresh copy, which the reader lets go of."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.key = f"_packed_{name}"
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return None  # the dataclass default, where one is asked for
+        packed = obj.__dict__.get(self.key)
+        return None if packed is None else pickle.loads(zlib.decompress(packed))
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        if value is None:
+            obj.__dict__[self.key] = None
+            return
+        # cloudpickle: a config the job's process sent holds classes rebuilt by value.
+        import cloudpickle
+
+        obj.__dict__[self.key] = zlib.compress(cloudpickle.dumps(value), 1)
+
+
+class PackedReturn(JobReturn):
+    """A JobReturn that keeps its ``cfg`` and ``hydra_cfg`` as a few KiB of bytes. Hydra's
+    launcher contract hands every job's return, configs included, back to the sweeper at
+    the sweep's end; held as objects (about 160 KiB each) they grew the launcher's memory
+    with every job of the sweep."""
+
+    # Descriptors over JobReturn's fields: a read gives the DictConfig (or None) back.
+    cfg = _Packed()  # pyright: ignore[reportAssignmentType]
+    hydra_cfg = _Packed()  # pyright: ignore[reportAssignmentType]
+
+    @classmethod
+    def of(cls, ret: JobReturn) -> PackedReturn:
+        return ret if isinstance(ret, PackedReturn) else cls(
+            overrides=ret.overrides, cfg=ret.cfg, hydra_cfg=ret.hydra_cfg,
+            working_dir=ret.working_dir, task_name=ret.task_name, status=ret.status,
+            _return_value=ret._return_value)
+
+
 @dataclass
 class Job:
     """One sweep job, from its overrides to its JobReturn: what the driver knows of it, plus

@@ -44,6 +44,7 @@ from ddpexp.sweep.backend import (
     Job,
     JobFailed,
     JobSkipped,
+    PackedReturn,
     SweepInterrupted,
     backend_of,
 )
@@ -315,7 +316,7 @@ def finish(end: Ended) -> None:
                                 f"(its traceback is in {log_file})")
             wrapped.original = exc  # pyright: ignore[reportAttributeAccessIssue]  # kept for a caller that wants the job's own exception
             ret._return_value = wrapped
-    job.ret = ret
+    job.ret = PackedReturn.of(ret)
     job.interrupted_by = _interruption(job, end.signal)
     log.info("\t#%d ended (%s) after %.1f s", job.idx, job.outcome + (
         f" by {job.interrupted_by}" if job.interrupted_by else ""), job.ended - job.started)
