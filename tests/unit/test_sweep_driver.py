@@ -139,6 +139,7 @@ def test_a_waiting_job_keeps_its_config_packed_and_an_ended_one_lets_it_go(app, 
     assert [j.subdir for j in jobs] == ["0", "1", "2"]
     assert all(j.config is None and j.packed is None for j in jobs)
     assert [r.cfg.x for r in rets] == [1, 2, 3]  # Hydra's contract: each result its config
+    assert all(isinstance(r, PackedReturn) for r in rets)  # kept compressed to the end
 
 
 def test_a_failed_job_fails_alone_unless_fail_fast(app, tmp_path, capsys):

@@ -407,11 +407,8 @@ class HostStaging:
 
         layout = tuple(_layout(state_dict))
         if self._buffers is None or layout != self._layout:
-            pinned = torch.cuda.is_available() and any(
-                len(entry) == 6 and entry[1].startswith("cuda") for entry in layout)
-            self._buffers, self._layout = None, ()
-            self._buffers = _host_buffers(state_dict, pinned)
-            self._layout = layout
+            self._buffers = None  # the old buffers go before the new ones are made
+            self._buffers, self._layout = _host_buffers(state_dict), layout
         return _copy_state_dict(state_dict, self._buffers, type_check=False)
 
     def synchronize_staging(self) -> None:
@@ -424,24 +421,24 @@ class HostStaging:
         self._buffers, self._layout = None, ()
 
 
-def _host_buffers(obj: Any, pinned: bool) -> Any:
+def _host_buffers(obj: Any) -> Any:
     """Empty host tensors shaped as those of ``obj`` (a DTensor's: this rank's shard, in a
-    DTensor of the same mesh and placements), in the same containers; other values as
-    they are (the copy takes each save's own). Made directly: DCP's own
-    ``_create_cpu_state_dict`` deep-copies every CPU DTensor, data included, first."""
+    DTensor of the same mesh and placements; pinned for a GPU's tensor), in the same
+    containers; other values as they are (the copy takes each save's own). Made directly:
+    DCP's own ``_create_cpu_state_dict`` deep-copies every CPU DTensor, data included."""
     if isinstance(obj, torch.Tensor):
         from torch.distributed.tensor import DTensor
 
         if not isinstance(obj, DTensor):
-            return torch.empty(obj.shape, dtype=obj.dtype, pin_memory=pinned and obj.is_cuda)
+            return torch.empty(obj.shape, dtype=obj.dtype, pin_memory=obj.is_cuda)
         local = obj.to_local()
-        buffer = torch.empty(local.shape, dtype=local.dtype, pin_memory=pinned and local.is_cuda)
+        buffer = torch.empty(local.shape, dtype=local.dtype, pin_memory=local.is_cuda)
         return DTensor.from_local(buffer, obj.device_mesh, obj.placements, run_check=False,
                                   shape=obj.shape, stride=obj.stride())
     if isinstance(obj, dict):
-        return {key: _host_buffers(value, pinned) for key, value in obj.items()}
+        return {key: _host_buffers(value) for key, value in obj.items()}
     if isinstance(obj, (list, tuple)):
-        values = [_host_buffers(value, pinned) for value in obj]
+        values = [_host_buffers(value) for value in obj]
         return values if isinstance(obj, list) else tuple(values)
     return obj
 
@@ -450,7 +447,7 @@ def _layout(obj: Any, path: str = "") -> Iterator[tuple]:
     """(path, device, type, shape, local shape, dtype) of every tensor in ``obj``, and the
     path of every container: what must stay the same for staged buffers to be reused."""
     if isinstance(obj, torch.Tensor):
-        local = getattr(obj, "_local_tensor", obj)
+        local = getattr(obj, "_local_tensor", obj)  # a DTensor's shard
         yield (path, str(obj.device), type(obj).__name__, tuple(obj.shape),
                tuple(local.shape), obj.dtype)
     elif isinstance(obj, dict):
