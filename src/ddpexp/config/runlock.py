@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from ddpexp.errors import RunDirBusy
@@ -65,7 +65,7 @@ class Holder:
     def this_process(cls, shared_by: str | None = None) -> Holder:
         job, round_ = _job_round()
         return cls(host=socket.gethostname(), pid=os.getpid(),
-                   start=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                   start=datetime.now(UTC).isoformat(timespec="seconds"),
                    pid_start=_pid_start(os.getpid()), job=job, round=round_,
                    shared_by=shared_by)
 
