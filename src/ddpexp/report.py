@@ -462,15 +462,15 @@ class SweepSummary(Callback):
 
 def _drives_its_sweep(target: Any) -> bool:
     """Whether the launcher class ``target`` names runs its jobs through ddpexp's sweep driver,
-    which writes the table itself: it offers a ``backend()`` (the seam of
-    :mod:`ddpexp.sweep.backend`). Hydra's plugin modules are light to import (Hydra imports
-    every one at start)."""
+    which writes the table itself: it declares the ``sweep`` it hands the driver
+    (:class:`ddpexp.sweep.settings.SweepLauncher`). Hydra's plugin modules are light to import
+    (Hydra imports every one at start)."""
     if not target:
         return False
     from hydra.utils import get_class
 
     try:
-        return callable(getattr(get_class(str(target)), "backend", None))
+        return hasattr(get_class(str(target)), "sweep")
     except Exception:  # a launcher that cannot be imported here drives nothing of ddpexp's
         return False
 

@@ -136,11 +136,10 @@ def test_a_full_sweep_dir_keeps_the_jobs_and_names_the_table(tmp_path, small_dis
     from ddpexp.record import write_metrics
     from ddpexp.sweep.backend import Job
     from ddpexp.sweep.summary import summarize
-    from hydra_plugins.ddpexp_launcher.ddp_launcher import DdpLauncher
 
     disk, shrink = small_disk
     sweep = disk / "sweep"
-    launcher = DdpLauncher()
+    outcomes: dict = {}
     jobs = []
     for idx in range(2):
         (sweep / str(idx)).mkdir(parents=True)
@@ -149,7 +148,7 @@ def test_a_full_sweep_dir_keeps_the_jobs_and_names_the_table(tmp_path, small_dis
         jobs.append(Job(idx=idx, overrides=[f"seed={idx}"], dir=sweep / str(idx), started=1,
                         ended=2, ret=JobReturn(overrides=[f"seed={idx}"],
                                                status=JobStatus.COMPLETED, _return_value=0.5)))
-    summarize(launcher, jobs[:1], sweep, final=False)  # the first job's row, while there was room
+    summarize(outcomes, jobs[:1], sweep, final=False)  # the first job's row, while there was room
     table = (sweep / "summary.csv").read_bytes()
     kept = {p: p.read_bytes() for p in sweep.rglob("*") if p.is_file()}
     shrink(0)
@@ -158,7 +157,7 @@ def test_a_full_sweep_dir_keeps_the_jobs_and_names_the_table(tmp_path, small_dis
             filler.write(b"x" * 1024)
             filler.flush()
     with pytest.raises(DdpexpError) as raised:
-        summarize(launcher, jobs, sweep)
+        summarize(outcomes, jobs, sweep)
     message = str(raised.value)
     assert message.startswith("the sweep's table could not be written: no space left on the "
                               f"device that holds {sweep / 'summary.csv'}. Free some space there, "

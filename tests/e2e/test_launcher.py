@@ -323,24 +323,25 @@ def test_a_job_killed_while_the_sweep_stops_is_interrupted(tmp_path: Path, caplo
 
     from ddpexp.sweep import driver, local
     from ddpexp.sweep.backend import Job
+    from ddpexp.sweep.settings import HydraSetup, LocalSettings, Sweep
     from ddpexp.sweep.summary import summarize
-    from hydra_plugins.ddpexp_launcher.ddp_launcher import DdpLauncher
 
-    launcher = DdpLauncher(kill_grace_s=30)
-    backend = local.LocalBackend(launcher)
+    settings = LocalSettings(kill_grace_s=30)
+    hydra = HydraSetup(None, None, None)  # type: ignore[arg-type]  # the job is started by hand
+    backend = local.LocalBackend(settings, hydra)
     job = Job(idx=1, overrides=["seed=1"], dir=tmp_path / "1")
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                             process_group=0)
     job.handle = local.Process(proc, ([], []), [str(tmp_path / "spec"), str(tmp_path / "result")])
     job.started = time.time()
     backend.running.append(job)
-    sweep = driver.Driver(launcher, backend)
+    sweep = driver.Driver(Sweep(settings, hydra, "ddp", lambda: backend), backend)
     sweep.running.append(job)
     sweep._signals.signal_name = "SIGINT"  # what its handler records on Ctrl-C
     with caplog.at_level("INFO", logger="hydra_plugins.ddpexp_launcher"):
         # Sends SIGTERM to the job's group, then sees its process end.
         assert sweep.wait_any() == [job]
-        summarize(launcher, [job], tmp_path)
+        summarize(hydra.outcomes, [job], tmp_path)
     assert (job.outcome, job.interrupted_by) == ("interrupted", "SIGTERM")
     assert "#1 ended (interrupted by SIGTERM)" in caplog.text
     assert "1 of 1 job(s) interrupted" in caplog.text and "failed" not in caplog.text

@@ -231,12 +231,11 @@ def test_a_sweep_dir_a_node_cannot_write_is_refused_naming_the_node(cluster: Ray
                                                                    tmp_path: Path) -> None:
     """The check every sweep makes before its first job, asked of each node for a dir that
     none of them has (a sweep dir on this machine's disk, not on the nodes' shared storage)."""
-    from types import SimpleNamespace
-
     from ddpexp.errors import ConfigError
     from ddpexp.sweep.ray_backend import RayBackend
+    from ddpexp.sweep.settings import RaySettings
 
-    backend = RayBackend(SimpleNamespace(address=cluster.address, max_parallel=None, retries=0))
+    backend = RayBackend(RaySettings(address=cluster.address), None)  # no job is started: no Hydra set-up
     with backend:
         backend._check_storage(str(tmp_path))  # every node writes it: no refusal
         with pytest.raises(ConfigError) as refused:

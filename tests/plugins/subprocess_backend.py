@@ -18,13 +18,14 @@ from hydra.core.utils import JobReturn, JobStatus
 
 from ddpexp.record import read_metrics_or_empty
 from ddpexp.sweep.backend import Backend, Ended, Job, job_env
+from ddpexp.sweep.settings import SweepSettings
 
 log = logging.getLogger("hydra_plugins.ddpexp_launcher")
 
 
 class SubprocessBackend(Backend):
-    def __init__(self, launcher: Any) -> None:
-        self.parallel = max(1, int(getattr(launcher, "max_parallel", None) or 1))
+    def __init__(self, settings: SweepSettings) -> None:
+        self.parallel = settings.max_parallel or 1
         self.running: list[Job] = []
 
     def describe(self) -> str:

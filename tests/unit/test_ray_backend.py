@@ -138,11 +138,10 @@ def test_a_node_that_cannot_write_the_sweep_dir_says_why(tmp_path) -> None:
 
 def test_a_job_goes_where_the_sweep_holds_idle_cpus_else_to_the_fullest_node_that_fits() -> None:
     """The choice that lets the next job start in an ended job's CPUs without asking Ray."""
-    from types import SimpleNamespace
-
     from ddpexp.sweep.ray_backend import RayBackend, Unit
+    from ddpexp.sweep.settings import RaySettings
 
-    backend = RayBackend(SimpleNamespace(address="auto", max_parallel=None, retries=0))
+    backend = RayBackend(RaySettings(address="auto"), None)  # no job is started: no Hydra set-up
     head, node = Node("h", "10.0.0.1", 1), Node("n", "10.0.0.2", 2)
     backend.nodes = [head, node]
     # Nothing held: a 1-CPU job takes the fuller node, leaving 2 CPUs for a 2-CPU job.

@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from ddpexp.record import write_metrics
 from ddpexp.sweep import driver
 from ddpexp.sweep.backend import Backend, Ended, Job, JobFailed, JobSkipped, PackedReturn
+from ddpexp.sweep.settings import HydraSetup, Sweep, SweepSettings
 
 CONFIG = """\
 x: 0
@@ -48,8 +49,8 @@ class InlineBackend(Backend):
     """One job at a time, run in this process by ``wait()``; a job of ``hang=true`` runs
     until it is forced to stop (it ignores the first, graceful stop)."""
 
-    def __init__(self, launcher: Any) -> None:
-        self.launcher = launcher
+    def __init__(self, hydra: HydraSetup) -> None:
+        self.hydra = hydra
         self.job: Job | None = None
         self.started: list[int] = []
         self.stops: list[tuple[int, bool]] = []
@@ -80,7 +81,7 @@ class InlineBackend(Backend):
             self.job = None
             return [Ended(job, None, "it ended when forced to", "SIGKILL")]
         self.job = None
-        ret = run_job(hydra_context=self.launcher.hydra_context, task_function=task,
+        ret = run_job(hydra_context=self.hydra.hydra_context, task_function=task,
                       config=job.config, job_dir_key="hydra.sweep.dir",
                       job_subdir_key="hydra.sweep.subdir")
         return [Ended(job, ret)]
@@ -90,28 +91,25 @@ class InlineBackend(Backend):
 
 
 class InlineLauncher:
-    """What the driver reads of a launcher, set up as Hydra sets up one."""
+    """A launcher whose sweep runs on :class:`InlineBackend`, set up as Hydra sets up one."""
 
     def __init__(self, config_dir: Path, sweep_dir: Path, **keys: Any) -> None:
-        self.fail_fast = keys.get("fail_fast", False)
-        self.timeout_s = keys.get("timeout_s")
-        self.kill_grace_s = keys.get("kill_grace_s", 30.0)
-        self.outcomes: dict = {}
-        self.task_function = task
         GlobalHydra.instance().clear()
         with initialize_config_dir(str(config_dir), version_base="1.3"):
             loader = GlobalHydra.instance().config_loader()
-            self.config = loader.load_configuration("config", [f"hydra.sweep.dir={sweep_dir}"],
-                                                    run_mode=RunMode.MULTIRUN)
-        self.hydra_context = HydraContext(config_loader=loader, callbacks=Callbacks(self.config))
+            config = loader.load_configuration("config", [f"hydra.sweep.dir={sweep_dir}"],
+                                               run_mode=RunMode.MULTIRUN)
         self.backends: list[InlineBackend] = []
+        self.sweep = Sweep.set_up(SweepSettings(**keys), "inline", self._backend,
+                                  HydraContext(config_loader=loader, callbacks=Callbacks(config)),
+                                  task, config)
 
-    def backend(self) -> InlineBackend:
-        self.backends.append(InlineBackend(self))
+    def _backend(self, settings: SweepSettings, hydra: HydraSetup) -> InlineBackend:
+        self.backends.append(InlineBackend(hydra))
         return self.backends[-1]
 
     def launch(self, overrides: list[list[str]]) -> list:
-        return list(driver.launch(self, overrides, initial_job_idx=0))
+        return list(driver.launch(self.sweep, overrides, initial_job_idx=0))
 
 
 @pytest.fixture

@@ -64,15 +64,13 @@ def test_a_command_that_took_none_ends_it(early):
 
 def test_a_launcher_that_does_not_fork_ends_it(early):
     """``hydra.launcher.fork=false`` from a config file, which the command line did not show."""
-    from types import SimpleNamespace
-
     from omegaconf import OmegaConf
 
     from ddpexp.sweep import local
+    from ddpexp.sweep.settings import HydraSetup, LocalSettings
 
-    launcher = SimpleNamespace(max_parallel=None, fork=False, preload=None,
-                               config=OmegaConf.create({"trainer": {"procs": 1}}))
-    sweep = local.LocalBackend(launcher)
+    hydra = HydraSetup(OmegaConf.create({"trainer": {"procs": 1}}), None, None)  # type: ignore[arg-type]  # the backend reads only the config before a job starts
+    sweep = local.LocalBackend(LocalSettings(fork=False), hydra)
     sweep.prepare()
     assert sweep._server is None and forkserver._EARLY is None
     assert early.proc.poll() is not None

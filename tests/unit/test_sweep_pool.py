@@ -128,11 +128,11 @@ def test_packing_counts_the_cores_where_there_is_no_affinity_mask(monkeypatch):
 
 
 def test_max_parallel_chooses_equal_slices_and_null_packs(cores):
-    from types import SimpleNamespace
+    from ddpexp.sweep.settings import LocalSettings
 
     cores(4)
-    assert isinstance(local.make_slices(SimpleNamespace(max_parallel=None)), local.Packing)
-    slices = local.make_slices(SimpleNamespace(max_parallel=2))
+    assert isinstance(local.make_slices(LocalSettings(max_parallel=None)), local.Packing)
+    slices = local.make_slices(LocalSettings(max_parallel=2))
     assert isinstance(slices, local.Slices) and slices.free_cores == [[0, 1], [2, 3]]
 
 

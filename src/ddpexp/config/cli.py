@@ -1,7 +1,7 @@
 """The command line before Hydra reads it: typos of group names and of keys (top-level,
 ``trainer.*``, entries under ``callbacks.*`` and ``logger.*``, the keys of the nodes built by
 ``_target_``), a group option it does not have, a run dir that another live run holds or that
-already holds a run, ``resume=`` paths, launcher settings that cannot work, and overrides
+already holds a run, ``resume=`` paths, and overrides
 quoted back for a printed command (the command that continues a run, :func:`resume_command`)."""
 
 from __future__ import annotations
@@ -430,17 +430,14 @@ def continue_sweep(sweep_dir: Path | str) -> str:
 def preflight(args: list[str]) -> str | None:
     """Checks of the command line that must happen before Hydra claims a run dir: typos of
     group names and keys (top-level, trainer, callbacks, logger, and the keys of the nodes
-    built by ``_target_``), an option a group does not have, a run dir that a
-    live run holds or that already holds a run, a ``hydra.launcher.max_parallel`` below 1, and
-    a ``resume=`` path that does not exist (which would otherwise leave an empty new run dir
-    behind its error)."""
+    built by ``_target_``), an option a group does not have, a run dir that a live run holds
+    or that already holds a run, and a ``resume=`` path that does not exist (which would
+    otherwise leave an empty new run dir behind its error). Launcher settings are checked by
+    the launcher (:mod:`ddpexp.sweep.settings`), before a sweep writes anything."""
     typo = (unknown_trainer_keys(args) or unknown_top_level(args) or unknown_group_options(args)
             or unknown_group_keys(args))
     if typo:
         return typo
-    parallel = command_line_values(args).get("hydra.launcher.max_parallel")
-    if parallel is not SWEPT and max_parallel_problem(parallel):
-        return max_parallel_problem(parallel)
     taken = busy_run_dir(args) or run_dir_conflict(args)
     if taken:
         return taken
@@ -448,15 +445,6 @@ def preflight(args: list[str]) -> str | None:
     if isinstance(resume, str) and resume not in ("", "auto") and not Path(resume).expanduser().exists():
         return f"resume={resume} is neither auto, a run dir nor a checkpoint file that exists"
     return None
-
-
-def max_parallel_problem(value: Any) -> str | None:
-    """Why ``hydra.launcher.max_parallel=value`` cannot work (below 1: it would run nothing,
-    or quietly one job at a time), or None."""
-    if value is None or isinstance(value, bool) or not isinstance(value, int) or value >= 1:
-        return None
-    return (f"hydra.launcher.max_parallel={value} must be >= 1 (K jobs at once, each on its own "
-            "slice of the machine), or null (as many at once as the machine holds)")
 
 
 def _shares_run_dir(values: dict[str, Any]) -> bool:

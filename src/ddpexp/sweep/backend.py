@@ -7,9 +7,9 @@ whether there is room for another job, starts one, reports the jobs that ended a
 job when the driver asks. ddpexp's own is :class:`ddpexp.sweep.local.LocalBackend` (each job
 a process on its own slice of this machine's cores and GPUs).
 
-A launcher offers its backend by a ``backend()`` method (:func:`backend_of`); the driver's
-batch :func:`ddpexp.sweep.driver.launch` and the ``optuna_async`` search run on any launcher
-that does.
+A launcher hands the driver its :class:`~ddpexp.sweep.settings.Sweep`: its typed settings,
+Hydra's set-up and how to make its backend; the driver's batch
+:func:`ddpexp.sweep.driver.launch` and the ``optuna_async`` search run on any such sweep.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self, cast
+from typing import TYPE_CHECKING, Any, Self
 
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
@@ -30,6 +30,9 @@ from omegaconf import DictConfig
 from ddpexp.config.cli import SWEEP_COMMAND_ENV, sweep_command
 from ddpexp.record import JOB_STARTED_ENV
 from ddpexp.runtime.jobtag import JOB_TAG_ENV
+
+if TYPE_CHECKING:
+    from ddpexp.sweep.settings import HydraSetup
 
 
 class JobFailed(CompactHydraException):
@@ -208,27 +211,14 @@ class Backend(ABC):
         job is reported by :meth:`wait` as any other."""
 
 
-def backend_of(launcher: Any) -> Backend | None:
-    """The backend ``launcher`` runs its jobs on (a new one per call), or None when it offers
-    none (Hydra's own launchers, submitit).
-
-    Besides ``backend()``, the driver reads of the launcher its Hydra set-up (``config``,
-    ``hydra_context``, ``task_function``, as ``setup()`` stored them), ``outcomes`` (a dict
-    the summary keeps every ``launch()`` call's job outcomes in, by job subdir) and, where
-    it has them, ``fail_fast`` (default false), ``timeout_s`` (none) and ``kill_grace_s``
-    (30 s)."""
-    make = getattr(launcher, "backend", None)
-    return cast(Backend, make()) if callable(make) else None
-
-
-def payload(launcher: Any, job: Job) -> dict[str, Any]:
+def payload(hydra: HydraSetup, job: Job) -> dict[str, Any]:
     """What a job's process needs to run it with Hydra's ``run_job`` (as Hydra's submitit
     launcher ships it): the task function, the job's sweep config, the Hydra context and
     Hydra's Singleton state (config store, resolvers). See :mod:`ddpexp.sweep.job`."""
     return {
-        "task_function": launcher.task_function,
+        "task_function": hydra.task_function,
         "config": job.config,
-        "hydra_context": launcher.hydra_context,
+        "hydra_context": hydra.hydra_context,
         "singleton_state": Singleton.get_state(),
     }
 

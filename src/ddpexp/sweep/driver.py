@@ -46,9 +46,9 @@ from ddpexp.sweep.backend import (
     JobSkipped,
     PackedReturn,
     SweepInterrupted,
-    backend_of,
 )
 from ddpexp.sweep.job import job_workers
+from ddpexp.sweep.settings import HydraSetup, Sweep
 from ddpexp.sweep.summary import job_error, summarize
 
 log = logging.getLogger("hydra_plugins.ddpexp_launcher")
@@ -56,24 +56,26 @@ log = logging.getLogger("hydra_plugins.ddpexp_launcher")
 POLL_S = 0.1
 
 
-def launch(launcher: Any, job_overrides: Sequence[Sequence[str]],
+def launch(sweep: Sweep | None, job_overrides: Sequence[Sequence[str]],
            initial_job_idx: int) -> Sequence[JobReturn]:
-    """Run the jobs on the launcher's backend as it has room for them; return one JobReturn
-    per job, in order (a failed job's ``return_value`` raises its exception)."""
-    backend = backend_of(launcher)
-    assert backend is not None, "launch() runs on a launcher that offers a backend"
-    sweep_dir = begin(launcher)
-    jobs = [_waiting(prepare(launcher, list(o), i, sweep_dir))
+    """Run the jobs on the sweep's backend as it has room for them; return one JobReturn
+    per job, in order (a failed job's ``return_value`` raises its exception). ``sweep``: the
+    launcher's, None before its ``setup()`` ran (Hydra's contract calls it first)."""
+    if sweep is None:
+        raise RuntimeError("a launcher's launch() ran before its setup()")
+    backend = sweep.backend()
+    sweep_dir = begin(sweep.hydra)
+    jobs = [_waiting(prepare(sweep.hydra, list(o), i, sweep_dir))
             for i, o in enumerate(job_overrides, start=initial_job_idx)]
     _refuse_busy(jobs)
     backend.prepare()
-    _prepare_loggers(launcher.config, sweep_dir)
-    log.info("%s: %d job(s) in %s, %s", _name(launcher), len(job_overrides), sweep_dir,
+    _prepare_loggers(sweep.hydra.config, sweep_dir)
+    log.info("%s: %d job(s) in %s, %s", _name(sweep), len(job_overrides), sweep_dir,
              backend.describe())
     pending = [j for j in jobs if j.ret is None]
     failed = any(j.ret is not None and j.outcome == "failed" for j in jobs)
-    fail_fast = bool(getattr(launcher, "fail_fast", False))
-    with Driver(launcher, backend) as driver:
+    fail_fast = sweep.settings.fail_fast
+    with Driver(sweep, backend) as driver:
         while pending or driver.running:
             if not driver.stopped and not (fail_fast and failed):
                 while pending and driver.start(pending[0]):
@@ -84,13 +86,13 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]],
             for job in ended:
                 failed = failed or job.outcome == "failed"
             if ended:
-                summarize(launcher, jobs, sweep_dir, final=False)
+                summarize(sweep.hydra.outcomes, jobs, sweep_dir, final=False)
     reason = (f"not run: the sweep was stopped by {driver.stopped}" if driver.stopped else
               "not run: an earlier job failed and hydra.launcher.fail_fast=true")
     for job in pending:
         job.ret = JobReturn(overrides=job.overrides, cfg=job.config, status=JobStatus.FAILED,
                             _return_value=JobSkipped(reason))
-    summarize(launcher, jobs, sweep_dir)
+    summarize(sweep.hydra.outcomes, jobs, sweep_dir)
     if driver.stopped:
         raise SweepInterrupted(
             f"the sweep was stopped by {driver.stopped}. To finish it, {continue_sweep(sweep_dir)}"
@@ -107,18 +109,18 @@ def _refuse_busy(jobs: list[Job]) -> None:
         raise RunDirBusy(str(busy[0].ret._return_value) + more)  # pyright: ignore[reportOptionalMemberAccess]  # busy jobs have their ret
 
 
-def _name(launcher: Any) -> str:
+def _name(sweep: Sweep) -> str:
     """The launcher as the sweep's first log line names it (``ddp launcher``)."""
-    node = OmegaConf.select(launcher.config, "hydra.runtime.choices", default=None)
+    node = OmegaConf.select(sweep.hydra.config, "hydra.runtime.choices", default=None)
     choice = node.get("hydra/launcher") if node is not None else None
-    return f"{choice or type(launcher).__name__} launcher"
+    return f"{choice or sweep.name} launcher"
 
 
-def begin(launcher: Any) -> Path:
+def begin(hydra: HydraSetup) -> Path:
     """Set up Hydra's globals and logging in the sweep process; create and return the
     sweep dir."""
     setup_globals()
-    config = launcher.config
+    config = hydra.config
     configure_log(config.hydra.hydra_logging, config.hydra.verbose)
     sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
     sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -139,12 +141,12 @@ def _prepare_loggers(config: Any, sweep_dir: Path) -> None:
 
 
 # ------------------------------------------------------------------------------ jobs
-def prepare(launcher: Any, overrides: list[str], idx: int, sweep_dir: Path) -> Job:
+def prepare(hydra: HydraSetup, overrides: list[str], idx: int, sweep_dir: Path) -> Job:
     """Compose the job's config (a bad override fails this job only) and decide whether it
     runs at all (``resume=auto`` and already completed: it does not)."""
     job = Job(idx, overrides)
     try:
-        cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, overrides)
+        cfg = hydra.hydra_context.config_loader.load_sweep_config(hydra.config, overrides)
         with open_dict(cfg):
             cfg.hydra.job.id = f"{idx}"
             cfg.hydra.job.num = idx
@@ -209,12 +211,12 @@ class Driver:
     stopped (they checkpoint), then forced after ``kill_grace_s``; so is a job over
     ``timeout_s``."""
 
-    def __init__(self, launcher: Any, backend: Backend) -> None:
-        self.launcher = launcher
+    def __init__(self, sweep: Sweep, backend: Backend) -> None:
+        self.hydra = sweep.hydra
         self.backend = backend
         self.running: list[Job] = []
-        self.timeout_s: float | None = getattr(launcher, "timeout_s", None)
-        self.kill_grace_s = float(getattr(launcher, "kill_grace_s", 30.0))
+        self.timeout_s = sweep.settings.timeout_s
+        self.kill_grace_s = float(sweep.settings.kill_grace_s)
         self._signals = _StopSignals()
 
     def __enter__(self) -> Driver:
@@ -229,7 +231,7 @@ class Driver:
             try:
                 self.backend.__exit__(*exc)
             finally:
-                config = self.launcher.config
+                config = self.hydra.config
                 configure_log(config.hydra.hydra_logging, config.hydra.verbose)
 
     @property

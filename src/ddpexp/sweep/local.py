@@ -35,6 +35,7 @@ from omegaconf import OmegaConf
 
 from ddpexp.sweep.backend import Backend, Ended, Job, job_env, payload
 from ddpexp.sweep.forkserver import ForkedJob, ForkServer, adopt_early, discard_early
+from ddpexp.sweep.settings import HydraSetup, LocalSettings, SweepSettings
 
 log = logging.getLogger("hydra_plugins.ddpexp_launcher")
 
@@ -201,11 +202,11 @@ def available_memory() -> int:
     return 1 << 62
 
 
-def make_slices(launcher: Any) -> Slices | Packing:
-    """The launcher's way of sharing the machine: K equal slices for ``max_parallel=K``,
+def make_slices(settings: SweepSettings) -> Slices | Packing:
+    """The sweep's way of sharing the machine: K equal slices for ``max_parallel=K``,
     packing for ``max_parallel: null``."""
-    parallel = getattr(launcher, "max_parallel", None)
-    return Packing([]) if parallel is None else Slices(max(1, int(parallel)), [])
+    parallel = settings.max_parallel
+    return Packing([]) if parallel is None else Slices(parallel, [])
 
 
 def _gpu_pool(limit: int | None) -> list[str]:
@@ -237,9 +238,9 @@ class LocalBackend(Backend):
     :meth:`wait` polls the running ones; :meth:`stop` signals a job's process group
     (SIGTERM, or SIGKILL with ``force``)."""
 
-    def __init__(self, launcher: Any) -> None:
-        self.launcher = launcher
-        self.slices = make_slices(launcher)
+    def __init__(self, settings: LocalSettings, hydra: HydraSetup) -> None:
+        self.settings, self.hydra = settings, hydra
+        self.slices = make_slices(settings)
         self.running: list[Job] = []
         self._gpus_known = False
         self._workdir: Path | None = None
@@ -251,12 +252,12 @@ class LocalBackend(Backend):
         self._start_server()
 
     def _start_server(self) -> None:
-        if self._server is None and not getattr(self.launcher, "fork", True):
+        if self._server is None and not self.settings.fork:
             discard_early()  # hydra.launcher.fork=false set in a config file
         elif self._server is None:
             # ddpexp's own app (its config has a trainer): torch and the run, preloaded.
-            ddpexp_app = OmegaConf.select(self.launcher.config, "trainer") is not None
-            preload = getattr(self.launcher, "preload", None) or ()
+            ddpexp_app = OmegaConf.select(self.hydra.config, "trainer") is not None
+            preload = self.settings.preload
             # The command's own, started as it began (ddpexp.__main__), where it fits.
             self._server = adopt_early(preload, torch=ddpexp_app)
             if self._server is None:
@@ -294,13 +295,13 @@ class LocalBackend(Backend):
         """Start ``job`` on a free slice; False (nothing started) when none fits it now."""
         if job.gpus > 0 and not self._gpus_known:
             # Only a sweep that asks for GPUs looks for them (and imports torch to count them).
-            self.slices.add_gpus(_gpu_pool(getattr(self.launcher, "gpus", None)))
+            self.slices.add_gpus(_gpu_pool(self.settings.gpus))
             self._gpus_known = True
         taken = self.slices.take(job.gpus, job.workers)
         if taken is None:
             return False
         assert self._workdir is not None, "LocalBackend.start() outside its with block"
-        _start(self.launcher, job, taken, self.slices.split, self._workdir, self._server)
+        _start(self.hydra, job, taken, self.slices.split, self._workdir, self._server)
         self.running.append(job)
         return True
 
@@ -326,7 +327,7 @@ class LocalBackend(Backend):
         _signal_group(job, signal.SIGKILL if force else signal.SIGTERM)
 
 
-def _start(launcher: Any, job: Job, taken: tuple, split: bool, workdir: Path,
+def _start(hydra: HydraSetup, job: Job, taken: tuple, split: bool, workdir: Path,
            server: ForkServer | None = None) -> None:
     """Write the job's spec and start its process: forked by ``server`` where it can,
     else a fresh ``python -m ddpexp.sweep.job``."""
@@ -336,7 +337,7 @@ def _start(launcher: Any, job: Job, taken: tuple, split: bool, workdir: Path,
     spec_path, result_path = workdir / f"job-{job.idx}.spec", workdir / f"job-{job.idx}.result"
     with open(spec_path, "wb") as f:
         pickle.dump({"sys_path": list(sys.path), "cores": cores if split else []}, f)
-        cloudpickle.dump(payload(launcher, job), f)
+        cloudpickle.dump(payload(hydra, job), f)
     job.started = time.time()
     env = {**os.environ, **job_env(job)}
     if split and cores:

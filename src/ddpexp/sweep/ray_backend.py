@@ -46,6 +46,7 @@ from omegaconf import OmegaConf, open_dict
 
 from ddpexp.errors import ConfigError
 from ddpexp.sweep.backend import Backend, Ended, Job, job_env, payload
+from ddpexp.sweep.settings import HydraSetup, RaySettings
 
 log = logging.getLogger("hydra_plugins.ddpexp_launcher")
 
@@ -230,13 +231,12 @@ class RayBackend(Backend):
     the jobs Ray reports ended (first finished), :meth:`stop` signals the job's processes on
     their nodes."""
 
-    def __init__(self, launcher: Any) -> None:
-        self.launcher = launcher
-        self.address: str | None = getattr(launcher, "address", None) or None
-        parallel = getattr(launcher, "max_parallel", None)
-        self.parallel = None if parallel is None else max(1, int(parallel))
-        self.retries = max(0, int(getattr(launcher, "retries", 0) or 0))
-        self.object_store_memory = getattr(launcher, "object_store_memory", None)
+    def __init__(self, settings: RaySettings, hydra: HydraSetup) -> None:
+        self.hydra = hydra
+        self.address: str | None = settings.address or None
+        self.parallel = settings.max_parallel
+        self.retries = max(0, settings.retries)
+        self.object_store_memory = settings.object_store_memory
         self.running: list[Job] = []
         self.nodes: list[Node] = []
         # Every node seen during the sweep: a job too large for all of them is refused; one
@@ -544,7 +544,7 @@ class RayBackend(Backend):
         job.started = time.time()
         env = {**job_env(job), "OMP_NUM_THREADS": str(need.cpus), "MKL_NUM_THREADS": str(need.cpus)}
         spec = pickle.dumps({"sys_path": list(sys.path), "cores": []})
-        spec += cloudpickle.dumps(payload(self.launcher, job))
+        spec += cloudpickle.dumps(payload(self.hydra, job))
         ref = ray.put(spec)
         placed.key = f"{job.idx}.{placed.attempt}"
         placed.runs = [agent.run.remote(placed.key, ref, env, ranks[i], gpu_ids[i])

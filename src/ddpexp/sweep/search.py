@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
 
 import yaml
 from hydra.core.utils import JobReturn, JobStatus
-from omegaconf import OmegaConf
+from hydra.plugins.launcher import Launcher
+from omegaconf import DictConfig, OmegaConf
 
 from ddpexp.config.cli import continue_sweep
 from ddpexp.config.monitor import resolve_monitor
@@ -41,7 +43,8 @@ from ddpexp.record import read_metrics_or_empty
 from ddpexp.runtime import trial as pruning
 from ddpexp.sweep import driver as sweep_driver
 from ddpexp.sweep import space as sweep_space
-from ddpexp.sweep.backend import Backend, Job, JobFailed, JobSkipped, SweepInterrupted, backend_of
+from ddpexp.sweep.backend import Backend, Job, JobFailed, JobSkipped, SweepInterrupted
+from ddpexp.sweep.settings import Sweep, SweepLauncher
 from ddpexp.sweep.summary import job_error, summarize
 
 log = logging.getLogger("hydra_plugins.ddpexp_optuna_sweeper")
@@ -56,26 +59,38 @@ class SearchStopped(JobFailed):
     """The search ended early: a trial failed under ``fail_fast``, or no trial completed."""
 
 
-def run(sweeper: Any, arguments: list[str]) -> dict | None:
-    """Run the search; return the best trial's ``{"params", "value", "number"}`` (None when
-    no trial completed)."""
+@dataclass(frozen=True)
+class SearchSettings:
+    """``hydra.sweeper.*`` of ``optuna_async`` (the plugin's config dataclass has the docs)."""
+
+    n_trials: int = 20
+    direction: str | None = None
+    study_name: str = "ddpexp"
+    sampler: dict = field(default_factory=dict)
+    pruner: dict = field(default_factory=dict)
+    params: dict = field(default_factory=dict)
+
+
+def run(settings: SearchSettings, config: DictConfig, launcher: Launcher,
+        arguments: list[str]) -> dict | None:
+    """Run the search with ``launcher``'s jobs (it must be one of ddpexp's); return the best
+    trial's ``{"params", "value", "number"}`` (None when no trial completed)."""
     import optuna
 
-    launcher = sweeper.launcher
-    backend = backend_of(launcher)
-    if backend is None:
+    if not isinstance(launcher, SweepLauncher) or launcher.sweep is None:
         raise ConfigError("hydra/sweeper=optuna_async starts its trials on ddpexp's launcher: "
                           f"use hydra/launcher=ddp (this sweep has {type(launcher).__name__})")
-    fixed, space = sweep_space.parse(arguments, sweeper.params)
+    sweep = launcher.sweep
+    backend = sweep.backend()
+    fixed, space = sweep_space.parse(arguments, settings.params)
     if not space:
         raise ConfigError("hydra/sweeper=optuna_async needs a search space: e.g. "
                           "'optimizer.lr=tag(log,interval(1e-4,1e-1))' or "
                           "'data.batch_size=choice(32,64,128)' (or hydra.sweeper.params)")
-    config = sweeper.config
-    sweep_dir = sweep_driver.begin(launcher)
+    sweep_dir = sweep_driver.begin(sweep.hydra)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = _open_study(sweeper, config, sweep_dir, space)
-    search = _Search(sweeper, study, fixed, space, sweep_dir)
+    study = _open_study(settings, config, sweep_dir, space)
+    search = _Search(settings, sweep, study, fixed, space, sweep_dir)
     return search.run(backend)
 
 
@@ -87,9 +102,9 @@ def _monitored(config: Any) -> tuple:
                            None if mode is None else MonitorMode(mode).value)
 
 
-def _direction(sweeper: Any, config: Any) -> Literal["maximize", "minimize"]:
+def _direction(settings: SearchSettings, config: Any) -> Literal["maximize", "minimize"]:
     """``hydra.sweeper.direction``, or what the monitored metric's mode implies."""
-    direction = sweeper.direction
+    direction = settings.direction
     if direction is None:
         return "maximize" if _monitored(config)[1] == "max" else "minimize"
     direction = str(direction).lower()
@@ -115,15 +130,15 @@ def _sampler(spec: dict[str, Any], space: dict[str, Any]) -> Any:
     raise ConfigError(f"hydra.sweeper.sampler.name={name} is not one of {', '.join(SAMPLERS)}")
 
 
-def _open_study(sweeper: Any, config: Any, sweep_dir: Path, space: dict[str, Any]) -> Any:
+def _open_study(settings: SearchSettings, config: Any, sweep_dir: Path, space: dict[str, Any]) -> Any:
     """The study in the sweep dir: created, or (``resume=auto``) loaded. An existing study
     without ``resume=auto`` is refused, so that a second search never mixes into it."""
     import optuna
 
     journal = sweep_dir / JOURNAL
     storage = pruning.journal_storage(str(journal))
-    name = str(sweeper.study_name)
-    direction = _direction(sweeper, config)
+    name = str(settings.study_name)
+    direction = _direction(settings, config)
     exists = name in optuna.get_all_study_names(storage)
     resume = OmegaConf.select(config, "resume", default=None) == "auto"
     if exists and not resume:
@@ -131,8 +146,8 @@ def _open_study(sweeper: Any, config: Any, sweep_dir: Path, space: dict[str, Any
                           "continue it, or give another hydra.sweep.dir (or "
                           "hydra.sweeper.study_name)")
     study = optuna.create_study(study_name=name, storage=storage, direction=direction,
-                                sampler=_sampler(sweeper.sampler, space),
-                                pruner=pruning.build_pruner(sweeper.pruner), load_if_exists=True)
+                                sampler=_sampler(settings.sampler, space),
+                                pruner=pruning.build_pruner(settings.pruner), load_if_exists=True)
     if study.direction.name.lower() != direction:
         raise ConfigError(f"the study {name!r} in {journal} was started to "
                           f"{study.direction.name.lower()}, not to {direction}: resume it with "
@@ -143,15 +158,15 @@ def _open_study(sweeper: Any, config: Any, sweep_dir: Path, space: dict[str, Any
 class _Search:
     """One invocation of the search: resume what was cut off, ask until ``n_trials``, tell."""
 
-    def __init__(self, sweeper: Any, study: Any, fixed: list[str], space: dict[str, Any],
-                 sweep_dir: Path) -> None:
-        self.sweeper, self.study, self.fixed, self.space = sweeper, study, fixed, space
-        self.launcher = sweeper.launcher
-        self.fail_fast = bool(getattr(self.launcher, "fail_fast", False))
+    def __init__(self, settings: SearchSettings, sweep: Sweep, study: Any, fixed: list[str],
+                 space: dict[str, Any], sweep_dir: Path) -> None:
+        self.settings, self.study, self.fixed, self.space = settings, study, fixed, space
+        self.sweep = sweep
+        self.fail_fast = sweep.settings.fail_fast
         self.sweep_dir = sweep_dir
         self.jobs: list[Job] = []
         self.failed = False
-        self.monitor = _monitored(sweeper.config)[0]
+        self.monitor = _monitored(sweep.hydra.config)[0]
         self.cut_off: list[Any] = []  # trials RUNNING in the study when this search started
         self.to_ask = 0
 
@@ -162,12 +177,12 @@ class _Search:
         trials = self.study.get_trials(deepcopy=False)
         self.cut_off = [t for t in trials if t.state == TrialState.RUNNING]
         done = sum(t.state.is_finished() for t in trials)
-        n_trials = int(self.sweeper.n_trials)
-        if str(self.sweeper.sampler.get("name", "tpe")).lower() == "grid":
+        n_trials = int(self.settings.n_trials)
+        if str(self.settings.sampler.get("name", "tpe")).lower() == "grid":
             grid = sweep_space.grid(self.space)
             n_trials = min(n_trials, math.prod(len(v) for v in grid.values()))
         self.to_ask = max(0, n_trials - done - len(self.cut_off))
-        driver = sweep_driver.Driver(self.launcher, backend)
+        driver = sweep_driver.Driver(self.sweep, backend)
         log.info("optuna_async: study %r in %s: %d trial(s) done before, %d to resume, %d to "
                  "ask, %s", self.study.study_name, self.sweep_dir / JOURNAL, done,
                  len(self.cut_off), self.to_ask, backend.describe())
@@ -184,14 +199,14 @@ class _Search:
                     self._tell(job, driver)
                 ready = self._ahead(driver, self._fill(driver, ready))
                 if ended:
-                    summarize(self.launcher, self.jobs, self.sweep_dir, final=False)
+                    summarize(self.sweep.hydra.outcomes, self.jobs, self.sweep_dir, final=False)
         waiting = ready
         if waiting is not None and not driver.stopped:
             why = "not run: an earlier trial failed and hydra.launcher.fail_fast=true"
             waiting.ret = JobReturn(overrides=waiting.overrides, cfg=waiting.config,
                                     status=JobStatus.FAILED, _return_value=JobSkipped(why))
             self._tell_state(waiting.idx, "fail", why)
-        summarize(self.launcher, self.jobs, self.sweep_dir)
+        summarize(self.sweep.hydra.outcomes, self.jobs, self.sweep_dir)
         best = self._results()
         if driver.stopped:
             raise SweepInterrupted(
@@ -254,9 +269,9 @@ class _Search:
         """The job of ``trial`` (asked now, or cut off before): its parameters as overrides
         after the fixed ones, job number and dir = the trial's number."""
         overrides = self.fixed + sweep_space.as_overrides(trial.params)
-        job = sweep_driver.prepare(self.launcher, overrides, trial.number, self.sweep_dir)
+        job = sweep_driver.prepare(self.sweep.hydra, overrides, trial.number, self.sweep_dir)
         job.env = pruning.trial_env(str(self.sweep_dir / JOURNAL), self.study.study_name,
-                                    trial._trial_id, self.sweeper.pruner)
+                                    trial._trial_id, self.settings.pruner)
         self.jobs.append(job)
         if job.ret is None and _metrics(job).get("status") == "pruned":
             # Pruned, but the search was cut off before it was told: tell it now.

@@ -22,21 +22,23 @@ from ddpexp.launch.failures import explain_os_error
 log = logging.getLogger("hydra_plugins.ddpexp_launcher")
 
 
-def summarize(launcher: Any, jobs: Sequence[Any], sweep_dir: Path, final: bool = True) -> None:
+def summarize(outcomes: dict, jobs: Sequence[Any], sweep_dir: Path, final: bool = True) -> None:
     """Write and print the sweep's table (every job in the sweep dir so far), then list the
     jobs of this launch that failed or were interrupted, with their overrides and cause.
     ``final=False`` (as each job ends): write the table only, so that a launcher that is
-    killed leaves the rows of the jobs that ended."""
+    killed leaves the rows of the jobs that ended. ``outcomes``: the sweep's outcomes of every
+    ``launch()`` so far, by job subdir (:class:`~ddpexp.sweep.settings.HydraSetup`), updated
+    here."""
     for job in jobs:
         if job.ret is None:
             continue
         key = job.subdir if job.subdir is not None else str(job.idx)
         outcome = job.outcome
-        launcher.outcomes[key] = (job.overrides, outcome,
-                                  None if outcome == "completed" else job_error(job.ret),
-                                  round(job.ended - job.started, 3) if job.ended else None)
+        outcomes[key] = (job.overrides, outcome,
+                         None if outcome == "completed" else job_error(job.ret),
+                         round(job.ended - job.started, 3) if job.ended else None)
     rows = {r.job: r for r in report.collect(sweep_dir)}
-    for key, (overrides, outcome, cause, wall) in launcher.outcomes.items():
+    for key, (overrides, outcome, cause, wall) in outcomes.items():
         row = rows.get(key) or report.Row(job=key, overrides=report.own_overrides(overrides))
         if outcome != "completed":
             # What the job process knew; metrics.json may say less (a job that failed before

@@ -1,7 +1,7 @@
-"""The Hydra ``Launcher`` class: stores its config in ``setup()`` and leaves the work to
-:mod:`ddpexp.sweep.driver` on the local backend (:mod:`ddpexp.sweep.local`), both imported
-inside its methods, so that importing the plugin (which Hydra does at every start of every
-app) imports neither torch nor anything heavy."""
+"""The Hydra ``Launcher`` class of ``hydra/launcher=ddp``: turns its keys into typed settings
+in ``setup()`` and leaves the work to :mod:`ddpexp.sweep.driver` on the local backend
+(:mod:`ddpexp.sweep.local`), both imported inside its methods, so that importing the plugin
+(which Hydra does at every start of every app) imports neither torch nor anything heavy."""
 
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 
 if TYPE_CHECKING:
     from ddpexp.sweep.backend import Backend
+    from ddpexp.sweep.settings import HydraSetup, LocalSettings, Sweep
 
 
 class DdpLauncher(Launcher):
@@ -20,53 +21,36 @@ class DdpLauncher(Launcher):
     at once as the machine holds (``max_parallel: null``) or ``max_parallel`` at a time on
     equal slices of the machine, and summarises the sweep."""
 
+    # Set by setup(): what the driver and the optuna_async search run on.
+    sweep: "Sweep | None" = None
+
     def __init__(self, max_parallel: int | None = None, fail_fast: bool = False,
                  gpus: int | None = None, timeout_s: float | None = None,
                  kill_grace_s: float = 30.0, fork: bool = True,
                  preload: Sequence[str] | None = None) -> None:
-        self.max_parallel = max_parallel
-        self.fail_fast = fail_fast
-        self.gpus = gpus
-        self.timeout_s = timeout_s
-        self.kill_grace_s = kill_grace_s
-        self.fork = fork
-        self.preload = list(preload or [])
-        # Outcomes of every launch() call of this sweep (some sweepers launch in batches), by
-        # job subdir: a job that left no metrics.json still gets its row and cause.
-        self.outcomes: dict = {}
-        self.config: DictConfig | None = None
-        self.task_function: TaskFunction | None = None
-        self.hydra_context: HydraContext | None = None
+        self.keys = {"max_parallel": max_parallel, "fail_fast": fail_fast, "gpus": gpus,
+                     "timeout_s": timeout_s, "kill_grace_s": kill_grace_s, "fork": fork,
+                     "preload": tuple(preload or ())}
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction,
               config: DictConfig) -> None:
-        """Keep the sweep's config; refuse launcher settings that cannot work before the
-        sweep writes anything."""
-        check_settings(self)
-        self.config = config
-        self.hydra_context = hydra_context
-        self.task_function = task_function
+        """The sweep's typed settings (values that cannot work are refused here, before the
+        sweep writes anything) and Hydra's set-up."""
+        from ddpexp.sweep.settings import LocalSettings, Sweep, exit_message
 
-    def backend(self) -> "Backend":
-        """Where the jobs run: as processes on this machine's slices (a new backend per
-        call; the driver and the ``optuna_async`` search ask for one)."""
+        with exit_message():
+            self.sweep = Sweep.set_up(LocalSettings(**self.keys), "ddp", self.make_backend,
+                                      hydra_context, task_function, config)
+
+    def make_backend(self, settings: "LocalSettings", hydra: "HydraSetup") -> "Backend":
+        """Where the jobs run: as processes on this machine's slices."""
         from ddpexp.sweep.local import LocalBackend
 
-        return LocalBackend(self)
+        return LocalBackend(settings, hydra)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from ddpexp.sweep import driver
+        from ddpexp.sweep.settings import exit_message
 
-        return driver.launch(self, job_overrides=job_overrides, initial_job_idx=initial_job_idx)
-
-
-def check_settings(launcher: DdpLauncher) -> None:
-    """Refuse ``hydra.launcher.*`` values that cannot work, with one message: a
-    ``max_parallel`` below 1 would run nothing, or quietly one job at a time. (A value typed
-    on the command line is refused before Hydra starts: ddpexp.config.cli.preflight.)"""
-    from ddpexp.config.cli import max_parallel_problem
-    from ddpexp.errors import ConfigError
-
-    problem = max_parallel_problem(launcher.max_parallel)
-    if problem:
-        raise ConfigError(problem)
+        with exit_message():
+            return driver.launch(self.sweep, job_overrides, initial_job_idx)

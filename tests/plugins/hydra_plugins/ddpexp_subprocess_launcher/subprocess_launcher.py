@@ -24,7 +24,7 @@ ConfigStore.instance().store(group="hydra/launcher", name="subprocess",
 class SubprocessLauncher(ddp_launcher.DdpLauncher):
     """The ddp launcher whose jobs are each a plain ``python -m ddpexp``."""
 
-    def backend(self) -> Any:
+    def make_backend(self, settings: Any, hydra: Any) -> Any:
         from subprocess_backend import SubprocessBackend
 
-        return SubprocessBackend(self)
+        return SubprocessBackend(settings)
