@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ddpexp.checkpoint import files as ckpt_files
 from ddpexp.checkpoint import io as ckpt_io
 
 
@@ -85,7 +86,7 @@ def main() -> None:
     plain, digested = work / "plain.pt", work / "digested.pt"
     saves: dict[str, Callable[[], object]] = {
         "save, no digest": lambda: save_plain(obj, plain),
-        "save + digest": lambda: ckpt_io.save_atomic(obj, digested),
+        "save + digest": lambda: ckpt_files.save_atomic(obj, digested),
     }
     reads: dict[str, Callable[[], object]] = {
         "sha256 of the file": lambda: hash_file(digested, "sha256"),

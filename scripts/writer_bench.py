@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from ddpexp.checkpoint import background
-from ddpexp.checkpoint import io as ckpt_io
+from ddpexp.checkpoint import files as ckpt_files
 
 
 def cpu_s() -> float:
@@ -43,15 +43,15 @@ def cpu_s() -> float:
 
 def write(state: dict, path: Path, crc: bool) -> tuple[float, float]:
     """One save_atomic of ``state``; ``crc``: through torch.save. Wall and CPU seconds."""
-    own = ckpt_io.write_archive
+    own = ckpt_files.write_archive
     if crc:
-        ckpt_io.write_archive = lambda obj, f: torch.save(obj, f)
+        ckpt_files.write_archive = lambda obj, f: torch.save(obj, f)
     try:
         start, cpu = time.perf_counter(), cpu_s()
-        ckpt_io.save_atomic(state, path)
+        ckpt_files.save_atomic(state, path)
         return time.perf_counter() - start, cpu_s() - cpu
     finally:
-        ckpt_io.write_archive = own
+        ckpt_files.write_archive = own
 
 
 def loop(steps: int) -> float:
@@ -68,7 +68,7 @@ def beside(state: dict, path: Path, steps: int, lowered: bool) -> float:
     def writer() -> None:
         if lowered:
             background.lower_priority()
-        ckpt_io.save_atomic(state, path)
+        ckpt_files.save_atomic(state, path)
 
     thread = threading.Thread(target=writer)
     thread.start()

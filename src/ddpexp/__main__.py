@@ -124,25 +124,28 @@ def _cli() -> None:
         earlier = step.earlier_run_dir()
         if earlier is not None:
             # A restart round of torchrun: continue the run the first round started.
-            from ddpexp.config.cli import command_line_override
+            from ddpexp.config.commands import command_line_override
 
             kept = [a for a in sys.argv[1:]
                     if a.split("=", 1)[0].lstrip("+") not in ("hydra.run.dir", "resume")]
             sys.argv[1:] = [*kept, command_line_override("hydra.run.dir", earlier), "resume=auto"]
-        ranks.lead(step, _checked_main)
+        ranks.lead(step, checked_main)
     else:
-        _checked_main()
+        checked_main()
     forkserver.discard_early()  # before the exit, which runs no finally
     exit_now(0)  # skips the 1-2 s interpreter teardown of a process that loaded torch
 
 
-def _checked_main() -> None:
+def checked_main() -> None:
     """The command line's checks that come before Hydra (:func:`ddpexp.config.cli.preflight`),
-    then Hydra's main."""
+    then Hydra's main. A resume into a run dir composes on the overrides that run was started
+    with (:func:`ddpexp.config.resume.with_recorded_overrides`)."""
     import sys
 
     from ddpexp.config.cli import preflight
+    from ddpexp.config.resume import with_recorded_overrides
 
+    sys.argv[1:] = with_recorded_overrides(sys.argv[1:])
     problem = preflight(sys.argv[1:])
     if problem:
         sys.exit(problem)  # exit status 1, the message on stderr

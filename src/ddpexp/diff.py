@@ -46,6 +46,8 @@ class Run:
 
     def __init__(self, path: Path):
         self.path = Path(path)
+        if not self.path.exists():
+            raise NotARun(f"{path} does not exist")
         if not self.is_run(self.path):
             raise NotARun(f"{path} is not a run dir (it holds no .hydra/config.yaml, "
                           "metrics.json or provenance.json)")
@@ -255,6 +257,8 @@ def sweep_jobs(path: Path) -> list[Path]:
 def compare_sweep(path: Path) -> dict:
     """Per section, the keys whose values vary between the sweep's jobs (with each job's
     value) and the keys every job shares."""
+    if not Path(path).exists():
+        raise NotARun(f"{path} does not exist")
     jobs = [Run(p) for p in sweep_jobs(path)]
     if len(jobs) < 2:
         raise NotARun(f"{path} is not a sweep dir with two or more jobs (found {len(jobs)})")

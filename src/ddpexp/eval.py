@@ -23,9 +23,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
+from ddpexp.checkpoint import files as ckpt_files
 from ddpexp.checkpoint import io as ckpt_io
+from ddpexp.checkpoint import sharded as ckpt_sharded
 from ddpexp.config import components
+from ddpexp.config.schema import trainer_of
 from ddpexp.errors import CheckpointError, ConfigError, DdpexpError
+from ddpexp.modes.evaluate import Evaluate
 from ddpexp.strategies import registry
 
 SPLITS = ("test", "val")
@@ -42,18 +46,31 @@ def targets(path: Path) -> list[tuple[str, Path, Path]]:
     from ddpexp.report import run_dirs
 
     path = Path(path)
-    if path.is_file() or ckpt_io.is_sharded(path):  # a file, or an fsdp run's sharded last.pt
+    if path.is_file() or ckpt_sharded.is_sharded(path):  # a file, or an fsdp run's sharded last.pt
         run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
         return [(run_dir.name, run_dir, path)]
     if not path.is_dir():
         raise CheckpointError(f"{path} does not exist: give a run dir, a checkpoint file or a sweep dir")
-    own = path / "checkpoints" / ckpt_io.BEST
+    own = path / "checkpoints" / ckpt_files.BEST
     dirs = run_dirs(path)
     if own.exists() or dirs == [path]:
         return [(path.name, path, own)]
     if not dirs:
         raise CheckpointError(f"{path} holds no run dirs (no .hydra/config.yaml or metrics.json under it)")
-    return [(str(d.relative_to(path)), d, d / "checkpoints" / ckpt_io.BEST) for d in dirs]
+    return [(str(d.relative_to(path)), d, d / "checkpoints" / ckpt_files.BEST) for d in dirs]
+
+
+def _another_checkpoint(checkpoint: Path) -> str:
+    """What to evaluate instead of an unreadable ``checkpoint``: the run's other checkpoints
+    beside it that exist (never the same file), or nothing to point at."""
+    first = {"best.pt": 0, "last.pt": 1}
+    others = [p for p in sorted(checkpoint.parent.glob("*.pt"),
+                                key=lambda p: (first.get(p.name, 2), p.name))
+              if p.name != checkpoint.name and (p.is_file() or ckpt_sharded.is_sharded(p))]
+    if not others:
+        return "The run has no other checkpoint beside it to evaluate."
+    names = " or ".join(f"python -m ddpexp.eval {p}" for p in others[:2])
+    return f"Evaluate another checkpoint of the run: {names}."
 
 
 def apply_overrides(config: dict, overrides: Sequence[str]) -> tuple[dict, str]:
@@ -90,22 +107,23 @@ def apply_overrides(config: dict, overrides: Sequence[str]) -> tuple[dict, str]:
         except OmegaConfBaseException as exc:
             raise ConfigError(f"override {item}: {exc}") from None
         given.add(key)
-    plain = cast(dict, OmegaConf.to_container(cfg, resolve=True))  # a DictConfig's: a dict
-    trainer = plain["trainer"]
     # A built-in strategy was resolved for the training run's workers; decide it afresh
     # for the workers asked for now (a user's own class is kept), and never restart an
-    # evaluation.
-    if "trainer.strategy" not in given and registry.is_builtin(trainer.get("strategy")):
-        trainer["strategy"] = registry.AUTO
-    if "trainer.procs" not in given and "trainer.gpus" in given:
-        trainer["procs"] = None
-    if "trainer.max_restarts" not in given:
-        trainer["max_restarts"] = 0
-    # The training run's cut of its validation (debug=fast's 2 batches per worker) is not
-    # what an evaluation asks for: the whole split, unless this command says otherwise.
-    if "trainer.limit_val_batches" not in given:
-        trainer["limit_val_batches"] = None
-    return plain, split
+    # evaluation. The training run's cut of its validation (debug=fast's 2 batches per
+    # worker) is not what an evaluation asks for: the whole split, unless this command says
+    # otherwise.
+    strategy = OmegaConf.select(cfg, "trainer.strategy")
+    builtin = not OmegaConf.is_config(strategy) and registry.is_builtin(strategy)
+    unless_given = {
+        **({"trainer.strategy": registry.AUTO} if builtin else {}),
+        "trainer.max_restarts": 0,
+        "trainer.limit_val_batches": None,
+        **({"trainer.procs": None} if "trainer.gpus" in given else {}),
+    }
+    for key, value in unless_given.items():
+        if key not in given:
+            OmegaConf.update(cfg, key, value, force_add=True)
+    return cast(dict, OmegaConf.to_container(cfg, resolve=True)), split  # a DictConfig's: a dict
 
 
 def _not_a_key(cfg: Any, key: str, value: str) -> str:
@@ -129,28 +147,27 @@ def _not_a_key(cfg: Any, key: str, value: str) -> str:
 def evaluate(run_dir: Path, checkpoint: Path, overrides: Sequence[str] = ()) -> dict:
     """Evaluate one checkpoint; returns what ``eval-<time>.json`` holds and writes that file
     into ``run_dir``."""
-    from omegaconf import OmegaConf
 
     from ddpexp.config.spec import RunSpec
     from ddpexp.launch.fanout import dispatch, plan_run
 
-    sharded = ckpt_io.is_sharded(checkpoint)
+    sharded = ckpt_sharded.is_sharded(checkpoint)
     if not checkpoint.is_file() and not sharded:
         raise CheckpointError(
             f"checkpoint {checkpoint} does not exist (the run saved no best checkpoint); give "
             "a checkpoint file instead, e.g. its checkpoints/last.pt"
         )
-    fix = "Evaluate another checkpoint of the run (checkpoints/last.pt or best.pt)."
+    fix = _another_checkpoint(checkpoint)
     # The config is all this process needs; the workers read the weights.
-    state = ckpt_io.load_sharded(checkpoint, keys=()) if sharded else ckpt_io.load(checkpoint, fix=fix)
+    state = ckpt_sharded.load_sharded(checkpoint, keys=()) if sharded else ckpt_io.load(checkpoint, fix=fix)
     if not isinstance(state.get("config"), dict) or "trainer" not in state["config"]:
         raise CheckpointError(f"checkpoint {checkpoint} holds no run config to rebuild the model from")
     config, split = apply_overrides(state["config"], overrides)
     del state
     components.check_nodes(config)  # a bad key or _target_ added here: before any worker
-    plan = plan_run(OmegaConf.create(config["trainer"]))
+    plan = plan_run(trainer_of(config))
     spec = RunSpec.build(config, plan, run_dir=run_dir, log_file=run_dir / "eval.log",
-                         eval_checkpoint=checkpoint.absolute(), eval_split=split)
+                         mode=Evaluate(checkpoint.absolute(), split))
     result = dispatch(spec)
     if result is None:
         raise CheckpointError(f"checkpoint {checkpoint} vanished before it was read")

@@ -25,17 +25,12 @@ import copy
 import csv
 import io
 import json
-import logging
 import statistics
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
-
-from hydra.experimental.callback import Callback
-from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
 
 from ddpexp import provenance
 from ddpexp.record import METRICS_FILE, UnreadableRecord, read_metrics, replace_text
@@ -428,51 +423,6 @@ def write_summary(directory: Path, rows: Sequence[Row]) -> tuple[Path, Path]:
         replace_text(directory / "summary_by_seed.csv", format_groups(groups, "csv"))
         replace_text(directory / "summary_by_seed.md", format_groups(groups, "md"))
     return csv_path, md_path
-
-
-class SweepSummary(Callback):
-    """The sweep table under launchers that know nothing of it (Hydra's ``submitit_slurm``,
-    ``submitit_local``, ``basic``); ddpexp's config names it in ``hydra.callbacks``. It is
-    refreshed as each job ends, in the job's process (so that a sweep whose last job failed,
-    which Hydra then ends with that job's error, still has its table), and written once more,
-    and printed, when the sweep ends. A launcher that runs its jobs through ddpexp's sweep
-    driver (one that offers a backend: ``ddp``) writes its own."""
-
-    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
-        if OmegaConf.select(config, "hydra.mode") == RunMode.MULTIRUN:
-            self._write(config)
-
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        rows = self._write(config)
-        if rows:
-            logging.getLogger("ddpexp").info(
-                "sweep summary (%s):\n%s", Path(config.hydra.sweep.dir) / "summary.csv",
-                format_rows(rows, "text").rstrip())
-
-    @staticmethod
-    def _write(config: DictConfig) -> list[Row]:
-        if _drives_its_sweep(OmegaConf.select(config, "hydra.launcher._target_", default=None)):
-            return []
-        sweep_dir = Path(str(config.hydra.sweep.dir))
-        rows = collect(sweep_dir) if sweep_dir.is_dir() else []
-        if rows:
-            write_summary(sweep_dir, rows)
-        return rows
-
-
-def _drives_its_sweep(target: Any) -> bool:
-    """Whether the launcher class ``target`` names runs its jobs through ddpexp's sweep driver,
-    which writes the table itself: it declares the ``sweep`` it hands the driver
-    (:class:`ddpexp.sweep.settings.SweepLauncher`). Hydra's plugin modules are light to import
-    (Hydra imports every one at start)."""
-    if not target:
-        return False
-    from hydra.utils import get_class
-
-    try:
-        return hasattr(get_class(str(target)), "sweep")
-    except Exception:  # a launcher that cannot be imported here drives nothing of ddpexp's
-        return False
 
 
 def main(argv: Sequence[str] | None = None) -> int:

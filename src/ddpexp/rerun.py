@@ -15,9 +15,12 @@ checked out into a scratch ``git worktree``, the recorded patch applied and the 
 untracked files copied in (each only where its content is still the recorded one), and the
 command runs there (config dirs inside that repo are read from the worktree too); the
 worktree is removed afterwards. Relative data paths are read from the worktree then: record
-data by absolute paths to rerun that way.
+data by absolute paths to rerun that way. Where that repo holds ddpexp itself (the run's
+ddpexp was an editable install of it), the worktree's ddpexp is what runs, its ``conf/``
+included: the command runs in a process of its own with the worktree's source first on
+``sys.path``, and a rerun whose record says its ddpexp came from anywhere else is refused.
 
-The run happens in this process, as ``python -m ddpexp`` would do it, with the recorded
+Otherwise the run happens in this process, as ``python -m ddpexp`` would do it, with the recorded
 numerics environment variables and, where the run had fewer, as many cores as it had (a
 sweep job's slice): its threads are then the recorded run's.
 """
@@ -28,6 +31,7 @@ import argparse
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -257,20 +261,55 @@ def run_here(args: Sequence[str], cwd: Path) -> int:
     """``python -m ddpexp ARGS`` in this process, in ``cwd`` (its modules importable, as
     ``python -m`` makes them); its exit status. The working dir, ``sys.path`` and
     ``sys.argv`` are put back afterwards."""
-    from ddpexp.__main__ import _checked_main
+    from ddpexp.__main__ import checked_main
 
     before = (os.getcwd(), list(sys.path), list(sys.argv))
     os.chdir(cwd)
     sys.path.insert(0, str(cwd))
     sys.argv = ["ddpexp", *args]
     try:
-        _checked_main()
+        checked_main()
         return 0
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     finally:
         os.chdir(before[0])
         sys.path[:], sys.argv[:] = before[1], before[2]
+
+
+def own_source(record: Mapping[str, Any], repo: Mapping[str, Any], where: Path) -> Path | None:
+    """Where ddpexp's own code lies in ``where``, the worktree of ``repo``, when the recorded
+    run imported ddpexp from that repo (an editable install): the directory to put first on
+    ``sys.path``. None where its ddpexp came from elsewhere (an installed package, which the
+    package check compares instead)."""
+    code = (record.get("code") or {}).get("ddpexp") or {}
+    if not code.get("editable") or code.get("repo") != repo.get("path"):
+        return None
+    package = Path(str(code["path"]))
+    try:
+        inside = where / package.relative_to(str(repo["path"]))
+    except ValueError:
+        return None
+    if not (inside / "__init__.py").is_file():
+        raise Refused(f"the run imported ddpexp from {package}, which the worktree of commit "
+                      f"{_short(repo['commit'])} does not hold")
+    return inside.parent
+
+
+def run_apart(args: Sequence[str], cwd: Path, source: Path) -> int:
+    """``python -m ddpexp ARGS`` in a process of its own, in ``cwd``, importing ddpexp (and
+    Hydra's plugins beside it) from ``source`` before anything installed; its exit status."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(source), *filter(None, [env.get("PYTHONPATH")])])
+    return subprocess.run([sys.executable, "-m", "ddpexp", *args], cwd=cwd, env=env).returncode
+
+
+def ran_from(run_dir: Path) -> str | None:
+    """Where the run in ``run_dir`` imported ddpexp from, as its record says."""
+    try:
+        return str(((provenance.read(run_dir).get("code") or {}).get("ddpexp") or {}).get("path"))
+    except (FileNotFoundError, ValueError):
+        return None
 
 
 def same_results(a: Path, b: Path) -> list[str]:
@@ -297,6 +336,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "and run there")
     args = parser.parse_args(argv)
     run_dir = args.run.absolute()
+    if not run_dir.exists():
+        print(f"ddpexp.rerun: {args.run} does not exist", file=sys.stderr)
+        return 2
     try:
         record = provenance.read(run_dir)
     except FileNotFoundError:
@@ -331,8 +373,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.in_worktree:
                 with worktree(repos[0], run_dir) as where:
                     moved = (Path(str(repos[0]["path"])), where)
-                    inside = _moved(str(cwd), moved, None)
-                    code = run_here(command_args(record, extra, moved), Path(inside))
+                    inside = Path(_moved(str(cwd), moved, None))
+                    source = own_source(record, repos[0], where)
+                    if source is None:
+                        code = run_here(command_args(record, extra, moved), inside)
+                    else:
+                        code = run_apart(command_args(record, extra, moved), inside, source)
+                        used = ran_from(target)
+                        if code == 0 and used != str(source / "ddpexp"):
+                            raise Refused(f"the rerun imported ddpexp from {used}, not from the "
+                                          f"worktree's {source / 'ddpexp'}: it did not run the "
+                                          "recorded code")
             else:
                 code = run_here(command_args(record, extra), cwd)
     except Refused as exc:

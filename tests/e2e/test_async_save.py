@@ -25,7 +25,8 @@ from helpers import (
     write_corpus,
 )
 
-from ddpexp.checkpoint import io as ckpt_io
+from ddpexp.checkpoint import files as ckpt_files
+from ddpexp.checkpoint import sharded as ckpt_sharded
 
 # test_checkpoint_resume's tiny run (dropout, momentum, a schedule), saved every 2 steps in
 # the background: 12 steps an epoch, 3 epochs.
@@ -50,7 +51,7 @@ def test_a_kill_during_a_background_write_leaves_the_previous_last_pt_resumable(
                       f"hydra.run.dir={run}"], workdir, env)
     try:
         wait_for(marker, proc, nonempty=True)  # the second save (step 4) copied, its write held
-        last = run / "checkpoints" / ckpt_io.LAST
+        last = run / "checkpoints" / ckpt_files.LAST
         before = last.read_bytes()
         assert marker.read_text() == "4"
         assert torch.load(last, weights_only=True)["step"] == 2
@@ -59,12 +60,13 @@ def test_a_kill_during_a_background_write_leaves_the_previous_last_pt_resumable(
         res = finish(proc, 30)
     assert res.returncode == -signal.SIGKILL and not res.leftovers
     assert last.read_bytes() == before  # the previous checkpoint, whole
-    ckpt_io.check_digest(last)
+    ckpt_files.check_digest(last)
 
-    resumed = run_cli_in_process([*ARGS, f"resume={run}"], workdir)
+    # The resume keeps the run's overrides but for the callback it takes out again.
+    resumed = run_cli_in_process([*ARGS, "~callbacks.slowsave", f"resume={run}"], workdir)
     assert f"resumed from {last} at epoch 0, batch 2, step 2" in resumed.output
     a = torch.load(last, weights_only=True)
-    b = torch.load(reference / "checkpoints" / ckpt_io.LAST, weights_only=True)
+    b = torch.load(reference / "checkpoints" / ckpt_files.LAST, weights_only=True)
     for key in ("model", "optimizer", "scheduler", "epoch", "batch", "step"):
         assert_same_tensors(a[key], b[key], key)
     assert read_metrics(run)["final"] == read_metrics(reference)["final"]
@@ -96,18 +98,18 @@ def test_an_fsdp_background_save_equals_the_save_in_the_loop_and_resumes_bit_exa
         assert seen["moved"] and seen["held"] >= 2 and seen["busy_at_end"] is False, seen
     assert reports[0]["last_step"] == 6 and reports[0]["temporaries"] == []
     out = run / "checkpoints"
-    written = ckpt_io.load_sharded(out / "async.pt", keys=ckpt_io.SHARDED_KEYS)
-    sync = ckpt_io.load_sharded(out / "sync.pt", keys=ckpt_io.SHARDED_KEYS)
+    written = ckpt_sharded.load_sharded(out / "async.pt", keys=ckpt_sharded.SHARDED_KEYS)
+    sync = ckpt_sharded.load_sharded(out / "sync.pt", keys=ckpt_sharded.SHARDED_KEYS)
     assert written["step"] == 2
     assert_same_tensors(written, sync, "checkpoint")
-    ckpt_io.check_digest(out / "async.pt")
+    ckpt_files.check_digest(out / "async.pt")
 
     resumed = workdir / "resumed"
     res = run_cli([*FSDP, f"resume={out / 'async.pt'}", f"hydra.run.dir={resumed}"], workdir,
                   timeout=240)
     assert "resumed from" in res.output and "step 2" in res.output
-    a = ckpt_io.load_sharded(resumed / "checkpoints" / ckpt_io.LAST, keys=ckpt_io.SHARDED_KEYS)
-    b = ckpt_io.load_sharded(out / ckpt_io.LAST, keys=ckpt_io.SHARDED_KEYS)
+    a = ckpt_sharded.load_sharded(resumed / "checkpoints" / ckpt_files.LAST, keys=ckpt_sharded.SHARDED_KEYS)
+    b = ckpt_sharded.load_sharded(out / ckpt_files.LAST, keys=ckpt_sharded.SHARDED_KEYS)
     for key in ("model", "optimizer", "epoch", "batch", "step"):
         assert_same_tensors(a[key], b[key], key)
     assert read_metrics(resumed)["final"] == read_metrics(run)["final"]

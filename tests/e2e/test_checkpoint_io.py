@@ -16,6 +16,7 @@ import pytest
 import torch
 from helpers import assert_same_tensors, build_trainer, read_metrics, run_cli_here
 
+from ddpexp.checkpoint import files as ckpt_files
 from ddpexp.checkpoint import io as checkpoint
 from ddpexp.errors import CheckpointError
 
@@ -36,9 +37,9 @@ def _save_forever(path: str, first: int) -> None:
     """The child: save (and every other time copy to best.pt) as fast as it can."""
     target = Path(path)
     for i in range(first + 1, 1 << 30):
-        checkpoint.save_atomic(_payload(i), target)
+        ckpt_files.save_atomic(_payload(i), target)
         if i % 2 == 0:
-            checkpoint.copy_atomic(target, target.with_name(checkpoint.BEST))
+            ckpt_files.copy_atomic(target, target.with_name(ckpt_files.BEST))
 
 
 def _assert_consistent(ckpt: dict) -> int:
@@ -49,8 +50,8 @@ def _assert_consistent(ckpt: dict) -> int:
 
 
 def test_sigkill_during_saves_never_leaves_an_unloadable_checkpoint(tmp_path):
-    last = tmp_path / "checkpoints" / checkpoint.LAST
-    checkpoint.save_atomic(_payload(0), last)
+    last = tmp_path / "checkpoints" / ckpt_files.LAST
+    ckpt_files.save_atomic(_payload(0), last)
     rng = random.Random(1234)
     # A fork server that has imported torch but never run an op: each child starts in
     # milliseconds, and without the thread pools that make a fork of this process hang.
@@ -70,18 +71,18 @@ def test_sigkill_during_saves_never_leaves_an_unloadable_checkpoint(tmp_path):
         os.kill(child.pid, signal.SIGKILL)
         child.join(10)
         assert child.exitcode == -signal.SIGKILL
-        stray += sum(checkpoint._TMP_MARK in p.name for p in last.parent.iterdir())
+        stray += sum(ckpt_files.TMP_MARK in p.name for p in last.parent.iterdir())
         seen.add(_assert_consistent(checkpoint.load(last)))
-        best = last.with_name(checkpoint.BEST)
+        best = last.with_name(ckpt_files.BEST)
         if best.exists():
             _assert_consistent(checkpoint.load(best))
-        removed = checkpoint.remove_stale_temporaries(last.parent)
-        assert all(checkpoint._TMP_MARK in p.name for p in removed)
+        removed = ckpt_files.remove_stale_temporaries(last.parent)
+        assert all(ckpt_files.TMP_MARK in p.name for p in removed)
         names = sorted(p.name for p in last.parent.iterdir())
-        files = [n for n in names if not n.endswith(checkpoint.DIGEST_SUFFIX)]
+        files = [n for n in names if not n.endswith(ckpt_files.DIGEST_SUFFIX)]
         assert files in (["last.pt"], ["best.pt", "last.pt"])
         # A digest never outlives its file (each file was checked by the loads above).
-        assert {n.removesuffix(checkpoint.DIGEST_SUFFIX) for n in names} == set(files)
+        assert {n.removesuffix(ckpt_files.DIGEST_SUFFIX) for n in names} == set(files)
     # Every child got at least one save through before its kill.
     assert len(seen) == 40, seen
     print(f"{stray} of 40 kills caught a save half-way")  # typically most of them
@@ -124,17 +125,17 @@ def _real_checkpoint(workdir: Path, monkeypatch, capsys) -> Path:
 
 def test_stale_temporaries_are_removed_and_never_read(tmp_path):
     ckpt_dir = tmp_path / "checkpoints"
-    checkpoint.save_atomic(_payload(1), ckpt_dir / "last.pt")
-    stale = ckpt_dir / f"last.pt{checkpoint._TMP_MARK}999999"
+    ckpt_files.save_atomic(_payload(1), ckpt_dir / "last.pt")
+    stale = ckpt_dir / f"last.pt{ckpt_files.TMP_MARK}999999"
     stale.write_bytes(b"half a checkpoint")
     assert _assert_consistent(checkpoint.load(ckpt_dir / "last.pt")) == 1
-    assert checkpoint.remove_stale_temporaries(ckpt_dir) == [stale]
+    assert ckpt_files.remove_stale_temporaries(ckpt_dir) == [stale]
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["last.pt", "last.pt.sha256"]
 
 
 def test_truncated_checkpoint_names_the_file(tmp_path):
     good = tmp_path / "good.pt"
-    checkpoint.save_atomic(_payload(3), good)
+    ckpt_files.save_atomic(_payload(3), good)
     data = good.read_bytes()
     for n in (2, 10, 100, len(data) // 2, len(data) - 100, len(data) - 1):
         bad = tmp_path / "checkpoints" / "last.pt"
@@ -151,7 +152,7 @@ def test_best_and_top_k_survive_damage_to_last_pt(tmp_path):
     copy) leaves the other two whole."""
     build_trainer(tmp_path, [*TINY, "trainer.save_top_k=1", "trainer.test=false"]).fit()
     ckpts = tmp_path / "checkpoints"
-    last, best = ckpts / checkpoint.LAST, ckpts / checkpoint.BEST
+    last, best = ckpts / ckpt_files.LAST, ckpts / ckpt_files.BEST
     (top,) = ckpts.glob("epoch000-*.pt")
     assert len({p.stat().st_ino for p in (last, best, top)}) == 3
     saved = torch.load(last, weights_only=True)
@@ -176,7 +177,7 @@ def test_each_unreadable_file_is_named_for_what_it_is(tmp_path):
     """Bytes that are no checkpoint, an empty file, a checkpoint cut short and a real
     checkpoint holding objects that only an unsafe load builds: one message each."""
     good = tmp_path / "good.pt"
-    checkpoint.save_atomic(_payload(3), good)
+    ckpt_files.save_atomic(_payload(3), good)
     cut = tmp_path / "cut.pt"
     cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     empty = tmp_path / "empty.pt"
@@ -204,8 +205,10 @@ def test_cli_resume_from_bytes_that_are_no_checkpoint(tmp_path, monkeypatch, cap
     last = _not_a_checkpoint(run_dir / "checkpoints" / "last.pt")
     before = _snapshot(run_dir)
     code, text = run_cli_here([*TINY, f"resume={run_dir}"], tmp_path, monkeypatch, capsys)
-    _assert_clean_failure(code, text, f"{last} is not a checkpoint: its 4096 bytes")
-    assert text.count("is not a checkpoint") == 1 and "unsafe" not in text
+    # The digest tells that the bytes changed; the message says what they read as now too.
+    _assert_clean_failure(code, text, f"checkpoint {last} changed since it was saved and no "
+                          "longer reads as one (its 4096 bytes begin")
+    assert text.count("no longer reads as one") == 1 and "unsafe" not in text
     after = _snapshot(run_dir)
     assert {k: after.get(k) for k in before} == before  # nothing it held was touched
 
@@ -233,7 +236,8 @@ def test_cli_refuses_bad_checkpoints_and_keeps_the_run(tmp_path, monkeypatch, ca
     last.write_bytes(good[: len(good) // 2])  # in place: best.pt is a file of its own
     before["checkpoints/last.pt"] = last.read_bytes()
     code, text = run_cli_here([*TINY, f"resume={run_dir}"], workdir, monkeypatch, capsys)
-    _assert_clean_failure(code, text, f"checkpoint {last} is truncated or corrupt",
+    _assert_clean_failure(code, text, f"checkpoint {last} changed since it was saved and no "
+                          "longer reads as one (truncated or corrupt",
                           f"resume={run_dir / 'checkpoints' / 'best.pt'}")
 
     # A code-running pickle, resumed by file: refused, never run.

@@ -24,7 +24,7 @@ from helpers import (
 )
 from test_checkpoint_resume import assert_same_final_state, assert_tensorboard_continues, new_run
 
-from ddpexp.config.cli import command_line_override
+from ddpexp.config.commands import command_line_override
 
 # No schedule (so the run's length does not shape the lr) and a huge max_epochs: the signal
 # always lands mid-run however slow the machine is; the resumed and the reference runs then

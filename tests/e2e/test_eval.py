@@ -143,6 +143,14 @@ def test_eval_checkpoint_file_with_data_root_and_bad_files(tmp_path: Path):
     code, out, err = eval_main(str(truncated))
     assert code == 1 and f"checkpoint {truncated} is truncated or corrupt" in err
     assert err.count("\n") == 1 and out == ""
+    assert "The run has no other checkpoint beside it to evaluate." in err
+    # A corrupt last.pt of the run: the advice names the run's other checkpoint, not itself.
+    good = last.read_bytes()
+    last.write_bytes(good[:2000])
+    code, out, err = eval_main(str(last))
+    assert code == 1 and f"python -m ddpexp.eval {run / 'checkpoints' / 'best.pt'}" in err, err
+    assert f"python -m ddpexp.eval {last}" not in err
+    last.write_bytes(good)
     (run / "checkpoints" / "best.pt").unlink()
     code, out, err = eval_main(str(run))
     assert code == 1 and f"{run / 'checkpoints' / 'best.pt'} does not exist" in err

@@ -22,7 +22,7 @@ from helpers import (
     write_corpus,
 )
 
-from ddpexp.checkpoint.io import is_sharded
+from ddpexp.checkpoint.sharded import is_sharded
 
 pytestmark = pytest.mark.slow
 

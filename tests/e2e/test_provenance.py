@@ -166,6 +166,11 @@ def test_bad_input_is_one_message_and_exit_2(tmp_path: Path, capsys):
     assert code == 2 and text.count("\n") == 1 and "is not a run dir" in text
     assert rerun.main([str(tmp_path)]) == 2
     assert "holds no provenance.json" in capsys.readouterr().err
+    # A path that is not there is said to be missing, not to be no run dir.
+    code, text = _diff(capsys, str(tmp_path / "nothing"))
+    assert code == 2 and text == f"ddpexp.diff: {tmp_path / 'nothing'} does not exist\n"
+    assert rerun.main([str(tmp_path / "nothing")]) == 2
+    assert capsys.readouterr().err == f"ddpexp.rerun: {tmp_path / 'nothing'} does not exist\n"
 
 
 def _rerun(*args: str) -> int:
@@ -223,3 +228,41 @@ def test_a_resume_keeps_the_record_and_adds_its_own(repo: Path):
     assert "dim=4 + 4" in (run / "code-resume-1.patch").read_text()
     assert (run / provenance.PATCH_FILE).read_text() == ""  # the first attempt's tree was clean
     assert read_metrics(run)["steps"] == 6
+
+
+def test_rerun_in_a_worktree_runs_the_worktrees_own_ddpexp(tmp_path: Path):
+    # ddpexp's own repo, installed editable (its src/ first on the path): a run, then an
+    # uncommitted edit of its config. The rerun in a worktree must run the recorded code,
+    # not the edited install, and so reproduce the run.
+    import shutil
+
+    from helpers import run_cli
+
+    import ddpexp
+
+    src = Path(ddpexp.__file__).parent.parent
+    root = tmp_path / "ddpexp-repo"
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
+    for name in ("ddpexp", "hydra_plugins"):
+        shutil.copytree(src / name, root / "src" / name, ignore=ignore)
+    _git(root, "init", "-q")
+    _git(root, "add", "-A")
+    _git(root, "commit", "-qm", "ddpexp")
+    editable = {"PYTHONPATH": str(root / "src")}
+    args = ["data=synthetic", "data.shape=[1,4,4]", "data.num_samples=32", "data.val_samples=8",
+            "model=mlp", "model.hidden=[8]", "trainer.max_epochs=1", "trainer.test=false",
+            "~logger", "hydra.run.dir=outputs/a"]
+    run_cli(args, root, env=editable)
+    run = root / "outputs" / "a"
+    recorded = provenance.read(run)["code"]["ddpexp"]
+    assert recorded["path"] == str(root / "src" / "ddpexp") and recorded["dirty"] is False
+    sgd = root / "src" / "ddpexp" / "conf" / "optimizer" / "sgd.yaml"
+    sgd.write_text(sgd.read_text().replace("lr: 0.05", "lr: 0.5"))  # after the run
+
+    res = run_cli(["outputs/a", "--in-worktree"], root, env=editable, module="ddpexp.rerun")
+    assert "reproduced outputs/a" in res.stdout, res.output
+    [again] = (root / "outputs" / "rerun").glob("*/*")
+    used = provenance.read(again)["code"]["ddpexp"]["path"]
+    assert "ddpexp-rerun-" in used and used != recorded["path"]  # the worktree's
+    assert (again / ".hydra" / "config.yaml").read_text().count("lr: 0.05") == 1
+    assert "lr: 0.5" in sgd.read_text()  # the edit is left as it was

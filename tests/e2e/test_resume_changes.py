@@ -68,8 +68,8 @@ def test_a_changed_lr_under_a_schedule_scales_the_schedule_at_its_step(workdir, 
     run_dir = workdir / "outputs" / "run"
     code, text = run_cli_here([*TINY, *sched, f"hydra.run.dir={run_dir}"], workdir, monkeypatch, capsys)
     assert code == 0, text
-    code, text = run_cli_here([*TINY, *sched[:1], "trainer.max_epochs=2", "optimizer.lr=0.5",
-                               f"resume={run_dir}"], workdir, monkeypatch, capsys)
+    code, text = run_cli_here([*TINY, *sched[:1], "trainer.max_steps=null", "trainer.max_epochs=2",
+                               "optimizer.lr=0.5", f"resume={run_dir}"], workdir, monkeypatch, capsys)
     assert code == 0, text
     lrs = dict(read_scalars(run_dir / "tb")["train/lr"])
     assert lrs[1] == pytest.approx(0.05)
@@ -112,3 +112,44 @@ def test_resume_auto_applies_a_change_too(workdir, monkeypatch, capsys):
     assert [g["weight_decay"] for g in last["optimizer"]["param_groups"]] == [0.1]
     keys = [c["key"] for c in read_metrics(run_dir)["resume_changes"]]
     assert keys == ["optimizer.weight_decay", "trainer.max_epochs"]
+
+
+def test_a_resume_that_names_no_key_keeps_the_runs_own_values(workdir, monkeypatch, capsys):
+    # The run's own overrides (lr, epochs) are the base of a resume that names neither: no
+    # "resume: optimizer.lr" line, and the optimizer trains on at the run's lr.
+    run_dir = _first_run(workdir, monkeypatch, capsys, "optimizer.lr=0.2")
+    code, text = run_cli_here(["trainer.max_epochs=2", f"resume={run_dir}"], workdir,
+                              monkeypatch, capsys)
+    assert code == 0, text
+    log = (run_dir / "ddpexp.log").read_text()
+    assert "resume: optimizer.lr" not in log and "resume: data." not in log
+    assert read_metrics(run_dir)["resume_changes"] == [
+        {"key": "trainer.max_epochs", "from": 1, "to": 2, "step": 4}]
+    last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert [g["lr"] for g in last["optimizer"]["param_groups"]] == [0.2]
+    assert last["step"] == 8  # two epochs of the run's own 4 steps (data.num_samples=32)
+    # resume=auto into the run dir, and a resume from a checkpoint file, keep them as well;
+    # each attempt records the whole set it ran with, so a chain of resumes keeps them too.
+    code, text = run_cli_here(["trainer.max_epochs=3", "resume=auto",
+                               f"hydra.run.dir={run_dir}"], workdir, monkeypatch, capsys)
+    assert code == 0, text
+    code, text = run_cli_here(["trainer.max_epochs=4",
+                               f"resume={run_dir / 'checkpoints' / 'last.pt'}"], workdir,
+                              monkeypatch, capsys)
+    assert code == 0, text
+    assert [c["key"] for c in read_metrics(run_dir)["resume_changes"]] == ["trainer.max_epochs"] * 3
+    last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert [g["lr"] for g in last["optimizer"]["param_groups"]] == [0.2]
+    assert last["step"] == 16
+    assert "resume: optimizer.lr" not in (run_dir / "ddpexp.log").read_text()
+
+
+def test_a_key_the_resume_names_still_changes_the_run(workdir, monkeypatch, capsys):
+    # The resume's own key wins over the recorded one, and is applied and listed as before.
+    run_dir = _first_run(workdir, monkeypatch, capsys, "optimizer.lr=0.2")
+    code, text = run_cli_here(["trainer.max_epochs=2", "optimizer.lr=0.3", f"resume={run_dir}"],
+                              workdir, monkeypatch, capsys)
+    assert code == 0, text
+    assert read_metrics(run_dir)["resume_changes"] == [
+        {"key": "optimizer.lr", "from": 0.2, "to": 0.3, "step": 4},
+        {"key": "trainer.max_epochs", "from": 1, "to": 2, "step": 4}]

@@ -117,7 +117,7 @@ def test_saved_run_resumes_to_the_end(name: str, extra: list, tmp_path: Path, mo
 def test_a_sharded_last_gives_one_process_its_weights_and_optimizer_state(tmp_path: Path):
     from helpers import build_trainer
 
-    from ddpexp.checkpoint import io as ckpt_io
+    from ddpexp.checkpoint import sharded as ckpt_sharded
     from ddpexp.training import checkpoint_state as schema
 
     run_dir = copy_of("fsdp_sharded", tmp_path)
@@ -126,7 +126,7 @@ def test_a_sharded_last_gives_one_process_its_weights_and_optimizer_state(tmp_pa
     trainer = build_trainer(tmp_path / "single", kept)
     last = run_dir / "checkpoints" / "last.pt"
     schema.load(trainer, last)
-    whole = ckpt_io.load_sharded(last, keys=ckpt_io.SHARDED_KEYS)
+    whole = ckpt_sharded.load_sharded(last, keys=ckpt_sharded.SHARDED_KEYS)
     state = trainer.optimizer.state_dict()
     for i, (name, param) in enumerate(trainer.module.named_parameters()):
         assert torch.equal(param.detach(), whole["model"][name]), name

@@ -281,7 +281,8 @@ def test_language_model_learns_and_resumes_bit_exactly_mid_epoch(workdir: Path):
     steps_per_epoch = m["steps"] // 2
     stopped = new_run(["trainer.max_epochs=2", f"trainer.max_steps={steps_per_epoch + 5}"])
     assert read_metrics(stopped)["steps"] == steps_per_epoch + 5
-    run_cli([*args, "trainer.max_epochs=2", f"resume={stopped}"], workdir, timeout=180)
+    run_cli([*args, "trainer.max_epochs=2", "trainer.max_steps=null", f"resume={stopped}"],
+            workdir, timeout=180)
     a = torch.load(stopped / "checkpoints/last.pt", weights_only=True)
     b = torch.load(reference / "checkpoints/last.pt", weights_only=True)
     for key in ("model", "optimizer", "epoch", "batch", "step"):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import run_cli_here
 
-from ddpexp.config.cli import SWEPT, command_line_override, command_line_values
+from ddpexp.config.commands import SWEPT, command_line_override, command_line_values
 
 # A few steps on a tiny synthetic dataset.
 TINY = ["data=synthetic", "data.shape=[1,4,4]", "data.num_classes=3", "data.num_samples=32",

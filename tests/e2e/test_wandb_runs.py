@@ -98,12 +98,18 @@ def test_sigkill_then_resume_continues_the_same_run_with_every_step_once(workdir
     import torch
 
     ckpt = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
-    run_cli([*args, f"trainer.max_epochs={ckpt['epoch'] + 2}", f"resume={run_dir}"], workdir,
-            timeout=240)
+    # The resume keeps the run's overrides but for the killer, which it takes out.
+    run_cli([*args, f"trainer.max_epochs={ckpt['epoch'] + 2}", "~callbacks.killer",
+             f"resume={run_dir}"], workdir, timeout=240)
     first, second = sessions(run_dir)
     run_id = (run_dir / "wandb" / "ddpexp-run-id").read_text().strip()
     assert ckpt["loggers"]["wandb"]["run_id"] == run_id
     assert {inspect(s, summary=True)["run_id"] for s in (first, second)} == {run_id}
+    # What docs/loggers.md has users read: latest-run, the newest session (the glob of
+    # offline-run-* names two dirs here, which W&B's reader refuses).
+    assert (run_dir / "wandb" / "latest-run").resolve() == second.resolve()
+    assert "wandb leet inspect --summary --json <run dir>/wandb/latest-run" in (
+        Path(__file__).parents[2] / "docs" / "loggers.md").read_text()
     # The first session holds points past the checkpoint; the second does not hold them again.
     before, after = points(first), points(second)
     assert ckpt["step"] == 5 and max(s for s, _ in before["train/loss"]) == 7

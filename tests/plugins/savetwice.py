@@ -15,7 +15,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ddpexp import Callback
-from ddpexp.checkpoint import io as ckpt_io
+from ddpexp.checkpoint import files as ckpt_files
+from ddpexp.checkpoint import sharded as ckpt_sharded
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -64,7 +65,7 @@ class SaveTwice(Callback):
         report = {"busy_while_training": self.busy_while_training, "moved": self.moved,
                   "held": self.held, "busy_at_end": trainer.saver.busy, "step": trainer.step}
         if trainer.is_main:  # rank 0 completes the sharded directory and renames it
-            report["last_step"] = torch.load(out / ckpt_io.LAST / ckpt_io.META,
+            report["last_step"] = torch.load(out / ckpt_files.LAST / ckpt_sharded.META,
                                              weights_only=True)["step"]
             report["temporaries"] = sorted(p.name for p in out.iterdir() if ".tmp-" in p.name)
         (trainer.run_dir / f"report.{trainer.rank}.json").write_text(json.dumps(report))

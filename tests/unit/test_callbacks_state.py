@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ddpexp.callbacks.state import Best, RunState
+from ddpexp.checkpoint import files as ckpt_files
 from ddpexp.checkpoint import io as ckpt_io
 from ddpexp.training.checkpoint_state import FORMAT
 
@@ -67,8 +68,8 @@ def test_a_finished_epoch_resumes_at_the_next():
 
 def test_a_checkpoint_written_and_read_back_is_equal(tmp_path):
     run = _midway()
-    path = tmp_path / "checkpoints" / ckpt_io.LAST
-    ckpt_io.save_atomic({"format": FORMAT, "model": {"w": torch.ones(2)}, **run.state_dict()}, path)
+    path = tmp_path / "checkpoints" / ckpt_files.LAST
+    ckpt_files.save_atomic({"format": FORMAT, "model": {"w": torch.ones(2)}, **run.state_dict()}, path)
     read = ckpt_io.load(path)  # weights_only=True
     back = RunState(Best("val/acc", "max"))
     back.load_state_dict(read)
@@ -78,7 +79,7 @@ def test_a_checkpoint_written_and_read_back_is_equal(tmp_path):
 def test_a_checkpoint_of_0_1_0_loads_unchanged():
     """The keys and values RunState gives back are those a checkpoint written before it
     holds, so its format needs no new number."""
-    ckpt = ckpt_io.load(FIXTURES / "ddp_topk_ema" / "checkpoints" / ckpt_io.LAST)
+    ckpt = ckpt_io.load(FIXTURES / "ddp_topk_ema" / "checkpoints" / ckpt_files.LAST)
     assert ckpt["format"] == FORMAT
     run = RunState(Best(ckpt["best"]["metric"], "max"))
     run.load_state_dict(ckpt)

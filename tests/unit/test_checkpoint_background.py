@@ -18,7 +18,8 @@ from helpers import assert_same_tensors
 from ddpexp import Callback
 from ddpexp.callbacks import ModelCheckpoint
 from ddpexp.checkpoint import background
-from ddpexp.checkpoint import io as ckpt_io
+from ddpexp.checkpoint import files as ckpt_files
+from ddpexp.checkpoint import sharded as ckpt_sharded
 
 
 def _bytes(obj) -> bytes:
@@ -81,7 +82,7 @@ def test_background_saves_every_step_reuse_one_copy_and_write_what_the_loop_woul
         callbacks = {"checkpoint": ModelCheckpoint(every_n_steps=1), "probe": probes[name]}
         t = trainer_factory(name, callbacks=callbacks, samples=(48, 16, 0), async_save=mode)
         t.fit()
-        runs[name] = torch.load(t.run_dir / "checkpoints" / ckpt_io.LAST, weights_only=True)
+        runs[name] = torch.load(t.run_dir / "checkpoints" / ckpt_files.LAST, weights_only=True)
         if mode:
             assert not t.saver._staging  # let go of once the run saves no more
             weights_and_momenta = 2 * len(list(t.module.parameters()))
@@ -151,7 +152,7 @@ def test_a_background_save_equals_the_save_in_the_loop_while_training_moves_on(t
     written = torch.load(out / "async.pt", weights_only=True)
     assert written["step"] == 2
     assert_same_tensors(written, sync, "checkpoint")
-    ckpt_io.check_digest(out / "async.pt")
+    ckpt_files.check_digest(out / "async.pt")
 
 
 class Slow(Callback):
@@ -313,7 +314,7 @@ def test_a_staged_save_starts_in_the_loop_and_completes_in_the_writer_thread():
     assert seen == [("start", "MainThread", 1, True), ("complete", "ddpexp-checkpoint-writer", 1),
                     ("then",), ("start", "MainThread", 2, True),
                     ("complete", "ddpexp-checkpoint-writer", 2)]
-    assert isinstance(stagings[0], ckpt_io.HostStaging) and stagings[1] is stagings[0]
+    assert isinstance(stagings[0], ckpt_sharded.HostStaging) and stagings[1] is stagings[0]
 
 
 def _nice() -> int:

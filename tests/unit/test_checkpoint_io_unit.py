@@ -10,13 +10,15 @@ import zipfile
 import pytest
 import torch
 
+from ddpexp.checkpoint import files as ckpt_files
 from ddpexp.checkpoint import io
+from ddpexp.checkpoint import sharded as ckpt_sharded
 from ddpexp.errors import CheckpointError
 
 
 def test_save_atomic_leaves_no_temporary(tmp_path):
     path = tmp_path / "sub" / "last.pt"
-    io.save_atomic({"model": {"w": torch.ones(2)}, "step": 1}, path)
+    ckpt_files.save_atomic({"model": {"w": torch.ones(2)}, "step": 1}, path)
     assert sorted(p.name for p in path.parent.iterdir()) == ["last.pt", "last.pt.sha256"]
     assert io.load(path)["step"] == 1
 
@@ -27,7 +29,7 @@ def test_a_saved_archive_loads_as_torch_saves_but_without_record_crcs(tmp_path):
     state = {"model": {"w": torch.randn(64, 32), "tied": None}, "step": 3,
              "optimizer": {"state": {0: {"exp_avg": torch.randn(64, 32)}}}}
     state["model"]["tied"] = state["model"]["w"][1]
-    io.save_atomic(state, tmp_path / "last.pt")
+    ckpt_files.save_atomic(state, tmp_path / "last.pt")
     torch.save(state, tmp_path / "ref.pt")
     assert torch.serialization.get_crc32_options()
     with zipfile.ZipFile(tmp_path / "last.pt") as ours, zipfile.ZipFile(tmp_path / "ref.pt") as ref:
@@ -48,7 +50,7 @@ def test_a_saved_archive_loads_as_torch_saves_but_without_record_crcs(tmp_path):
 
 _FAILED_WRITE = """
 import gc, sys, torch
-from ddpexp.checkpoint.io import write_archive
+from ddpexp.checkpoint.files import write_archive
 class Unpicklable:
     def __reduce__(self):
         raise RuntimeError("cannot pickle")
@@ -86,7 +88,7 @@ def test_a_sharded_save_stages_into_the_last_saves_buffers_while_the_layout_hold
     state = {"model": {"w": w, "b": torch.ones(4)},
              "optimizer": {"state": {"w": {"step": torch.tensor(1.0)}},
                            "param_groups": [{"lr": 0.1, "params": ["w"]}]}}
-    staging = io.HostStaging()
+    staging = ckpt_sharded.HostStaging()
     first = staging.stage(state)
     buffer = first["model"]["w"].to_local().data_ptr()
     assert torch.equal(first["model"]["w"].full_tensor(), torch.arange(12.0).reshape(3, 4))
@@ -107,24 +109,24 @@ def test_a_sharded_save_stages_into_the_last_saves_buffers_while_the_layout_hold
 
 def test_save_atomic_replaces(tmp_path):
     path = tmp_path / "last.pt"
-    io.save_atomic({"model": {}, "step": 1}, path)
-    io.save_atomic({"model": {}, "step": 2}, path)
+    ckpt_files.save_atomic({"model": {}, "step": 1}, path)
+    ckpt_files.save_atomic({"model": {}, "step": 2}, path)
     assert io.load(path)["step"] == 2
 
 
 def test_copy_atomic(tmp_path):
     src, dst = tmp_path / "last.pt", tmp_path / "best.pt"
-    io.save_atomic({"model": {"w": torch.arange(3)}}, src)
-    io.copy_atomic(src, dst)
+    ckpt_files.save_atomic({"model": {"w": torch.arange(3)}}, src)
+    ckpt_files.copy_atomic(src, dst)
     assert torch.equal(io.load(dst)["model"]["w"], torch.arange(3))
     assert src.read_bytes() == dst.read_bytes()
 
 
 def test_remove_stale_temporaries(tmp_path):
-    (tmp_path / f"last.pt{io._TMP_MARK}123").write_bytes(b"x")
+    (tmp_path / f"last.pt{ckpt_files.TMP_MARK}123").write_bytes(b"x")
     (tmp_path / "last.pt").write_bytes(b"x")
-    removed = io.remove_stale_temporaries(tmp_path)
-    assert [p.name for p in removed] == [f"last.pt{io._TMP_MARK}123"]
+    removed = ckpt_files.remove_stale_temporaries(tmp_path)
+    assert [p.name for p in removed] == [f"last.pt{ckpt_files.TMP_MARK}123"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"]
 
 
@@ -150,11 +152,30 @@ def test_load_text_file_names_alternative(tmp_path):
 
 def test_load_truncated(tmp_path):
     path = tmp_path / "last.pt"
-    io.save_atomic({"model": {"w": torch.randn(100)}}, path)
+    ckpt_files.save_atomic({"model": {"w": torch.randn(100)}}, path)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
+    # It has a digest: that is what tells its bytes changed, and the message says so first.
+    with pytest.raises(CheckpointError, match=r"changed since it was saved and no longer reads "
+                                              r"as one \(truncated or corrupt: "):
+        io.load(path)
+    ckpt_files.digest_path(path).unlink()  # without one, what the bytes read as is all there is
     with pytest.raises(CheckpointError, match="is truncated or corrupt"):
         io.load(path)
+
+
+@pytest.mark.parametrize("at", [0, 200])  # the zip's magic; a byte of the pickle
+def test_a_byte_flipped_early_is_named_by_the_digest(tmp_path, at):
+    path = tmp_path / "last.pt"
+    ckpt_files.save_atomic({"model": {"w": torch.zeros(100)}, "epoch": 1}, path)
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError) as refused:
+        io.load(path)
+    assert str(refused.value).startswith(
+        f"checkpoint {path} changed since it was saved and no longer reads as one (")
+    assert "last.pt.sha256 recorded" in str(refused.value)
 
 
 def test_load_refuses_unsafe_objects(tmp_path):
@@ -178,7 +199,7 @@ def test_load_fix_text(tmp_path):
 
 
 def test_verify(tmp_path):
-    io.save_atomic({"model": {"w": torch.ones(1)}}, tmp_path / "last.pt")
+    ckpt_files.save_atomic({"model": {"w": torch.ones(1)}}, tmp_path / "last.pt")
     io.verify(tmp_path / "last.pt")
     with pytest.raises(CheckpointError, match="is a directory, not a checkpoint"):
         io.verify(tmp_path)
@@ -188,8 +209,8 @@ def test_find(tmp_path):
     run = tmp_path / "run"
     assert io.find(None, run) is None and io.find("", run) is None
     assert io.find("auto", run) is None
-    last = run / "checkpoints" / io.LAST
-    io.save_atomic({"model": {}}, last)
+    last = run / "checkpoints" / ckpt_files.LAST
+    ckpt_files.save_atomic({"model": {}}, last)
     assert io.find("auto", run) == last
     assert io.find(str(run), tmp_path) == last
     assert io.find("run", tmp_path / "elsewhere", base=tmp_path) == last
@@ -207,28 +228,28 @@ def test_find_errors(tmp_path):
 
 def test_newest_last_none(tmp_path):
     assert io.newest_last(tmp_path) is None
-    assert not io.is_sharded(tmp_path)
+    assert not ckpt_sharded.is_sharded(tmp_path)
 
 
 def test_a_file_and_a_sharded_dir_replace_each_other_by_the_same_swap(tmp_path, gloo_group):
     """A run resumed under another strategy saves last.pt as the other kind: a file where
     a sharded dir was, and the reverse; nothing of the old one, nor a temporary, is left."""
-    last = tmp_path / "checkpoints" / io.LAST
-    io.save_sharded({"model": {"w": torch.ones(3)}}, {"step": 1}, last, is_main=True)
-    assert io.is_sharded(last)
-    io.save_atomic({"model": {"w": torch.zeros(3)}, "step": 2}, last)
+    last = tmp_path / "checkpoints" / ckpt_files.LAST
+    ckpt_sharded.save_sharded({"model": {"w": torch.ones(3)}}, {"step": 1}, last, is_main=True)
+    assert ckpt_sharded.is_sharded(last)
+    ckpt_files.save_atomic({"model": {"w": torch.zeros(3)}, "step": 2}, last)
     assert last.is_file() and io.load(last)["step"] == 2
-    io.save_sharded({"model": {"w": torch.full((3,), 2.0)}}, {"step": 3}, last, is_main=True)
-    assert io.is_sharded(last) and io.load(last)["step"] == 3
+    ckpt_sharded.save_sharded({"model": {"w": torch.full((3,), 2.0)}}, {"step": 3}, last, is_main=True)
+    assert ckpt_sharded.is_sharded(last) and io.load(last)["step"] == 3
     assert torch.equal(io.load(last)["model"]["w"], torch.full((3,), 2.0))
-    assert sorted(p.name for p in last.parent.iterdir()) == [io.LAST]
+    assert sorted(p.name for p in last.parent.iterdir()) == [ckpt_files.LAST]
 
 
 def test_a_crash_mid_swap_leaves_the_old_checkpoint_found(tmp_path):
-    previous = tmp_path / (io.LAST + ".previous")  # the old file, moved aside; the new dir not in yet
-    io.save_atomic({"model": {}, "step": 1}, previous)
+    previous = tmp_path / (ckpt_files.LAST + ".previous")  # the old file, moved aside; the new dir not in yet
+    ckpt_files.save_atomic({"model": {}, "step": 1}, previous)
     assert io.newest_last(tmp_path) == previous
-    assert io.find(str(tmp_path / io.LAST), tmp_path) == previous
+    assert io.find(str(tmp_path / ckpt_files.LAST), tmp_path) == previous
 
 
 def _failed_save(*failures):
@@ -242,15 +263,15 @@ def test_a_failed_sharded_save_is_told_as_the_single_file_save_tells_it(tmp_path
     import errno
 
     path = tmp_path / "last.pt"
-    full = io._sharded_save_error(_failed_save(RuntimeError("unexpected pos"),
+    full = ckpt_sharded._sharded_save_error(_failed_save(RuntimeError("unexpected pos"),
                                                OSError(errno.ENOSPC, "No space left")), path)
     assert isinstance(full, OSError) and full.errno == errno.ENOSPC
     assert full.filename == str(path)
-    denied = io._sharded_save_error(_failed_save(PermissionError(errno.EACCES, "denied")), path)
+    denied = ckpt_sharded._sharded_save_error(_failed_save(PermissionError(errno.EACCES, "denied")), path)
     assert isinstance(denied, OSError) and denied.errno == errno.EACCES
     assert denied.filename == str(path)
     # A short write on a disk with room, and any other error: not called a full disk.
-    other = io._sharded_save_error(_failed_save(RuntimeError("unexpected pos 7 vs 3")), path)
+    other = ckpt_sharded._sharded_save_error(_failed_save(RuntimeError("unexpected pos 7 vs 3")), path)
     assert isinstance(other, RuntimeError) and not isinstance(other, OSError)
     assert f"saving the sharded checkpoint {path} failed: RuntimeError: unexpected pos" in str(other)
 
@@ -268,17 +289,17 @@ def test_a_saved_file_carries_its_sha256_in_the_format_sha256sum_checks(tmp_path
     import hashlib
 
     path = tmp_path / "last.pt"
-    io.save_atomic({"model": {"w": torch.arange(5.0)}}, path)
-    sidecar = io.digest_path(path)
+    ckpt_files.save_atomic({"model": {"w": torch.arange(5.0)}}, path)
+    sidecar = ckpt_files.digest_path(path)
     assert sidecar.name == "last.pt.sha256"
     assert sidecar.read_text() == f"{hashlib.sha256(path.read_bytes()).hexdigest()}  last.pt\n"
-    io.check_digest(path)
+    ckpt_files.check_digest(path)
     assert torch.load(path, weights_only=True)["model"]["w"].tolist() == [0, 1, 2, 3, 4]
 
 
 def test_a_changed_byte_is_refused_naming_the_file_and_the_way_out(tmp_path):
     path = tmp_path / "last.pt"
-    io.save_atomic({"model": {"w": torch.zeros(1000)}, "step": 3}, path)
+    ckpt_files.save_atomic({"model": {"w": torch.zeros(1000)}, "step": 3}, path)
     _flip_byte(path)
     before = path.read_bytes()
     for mmap in (False, True):
@@ -289,48 +310,48 @@ def test_a_changed_byte_is_refused_naming_the_file_and_the_way_out(tmp_path):
     with pytest.raises(CheckpointError, match="changed since it was saved"):
         io.verify(path)
     assert path.read_bytes() == before  # refused, not repaired or removed
-    io.digest_path(path).unlink()  # the way out the message offers
+    ckpt_files.digest_path(path).unlink()  # the way out the message offers
     assert io.load(path)["step"] == 3
 
 
 def test_a_checkpoint_without_a_digest_reads_as_before(tmp_path):
     path = tmp_path / "old.pt"
     torch.save({"model": {"w": torch.ones(2)}, "step": 7}, path)  # as earlier versions wrote it
-    io.check_digest(path)
+    ckpt_files.check_digest(path)
     io.verify(path)
     assert io.load(path)["step"] == 7
 
 
 def test_a_damaged_digest_file_is_named(tmp_path):
     path = tmp_path / "last.pt"
-    io.save_atomic({"model": {}}, path)
-    io.digest_path(path).write_text("not a digest\n")
+    ckpt_files.save_atomic({"model": {}}, path)
+    ckpt_files.digest_path(path).write_text("not a digest\n")
     with pytest.raises(CheckpointError, match=rf"digest file {path}.sha256 is damaged .*delete it"):
         io.load(path)
 
 
 def test_copies_carry_the_digest_and_replacing_keeps_it_true(tmp_path):
     last, best = tmp_path / "last.pt", tmp_path / "best.pt"
-    io.save_atomic({"model": {"w": torch.ones(3)}, "step": 1}, last)
-    io.copy_atomic(last, best)
-    assert io.digest_path(best).read_text() == io.digest_path(last).read_text().replace("last.pt", "best.pt")
-    io.check_digest(best)
-    io.save_atomic({"model": {"w": torch.zeros(3)}, "step": 2}, last)
-    io.check_digest(last)
-    assert len(io.digest_path(last).read_text().splitlines()) == 1
-    io.copy_atomic(last, best)  # over the older best.pt
-    io.check_digest(best)
+    ckpt_files.save_atomic({"model": {"w": torch.ones(3)}, "step": 1}, last)
+    ckpt_files.copy_atomic(last, best)
+    assert ckpt_files.digest_path(best).read_text() == ckpt_files.digest_path(last).read_text().replace("last.pt", "best.pt")
+    ckpt_files.check_digest(best)
+    ckpt_files.save_atomic({"model": {"w": torch.zeros(3)}, "step": 2}, last)
+    ckpt_files.check_digest(last)
+    assert len(ckpt_files.digest_path(last).read_text().splitlines()) == 1
+    ckpt_files.copy_atomic(last, best)  # over the older best.pt
+    ckpt_files.check_digest(best)
     assert io.load(best)["step"] == 2
-    io.remove(best)
+    ckpt_files.remove(best)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt", "last.pt.sha256"]
 
 
 def test_a_copy_of_a_file_without_digest_has_none(tmp_path):
     old, copy = tmp_path / "old.pt", tmp_path / "best.pt"
     torch.save({"model": {}}, old)
-    io.save_atomic({"model": {}}, copy)  # a stale digest there must not outlive the copy
-    io.copy_atomic(old, copy)
-    assert not io.digest_path(copy).exists()
+    ckpt_files.save_atomic({"model": {}}, copy)  # a stale digest there must not outlive the copy
+    ckpt_files.copy_atomic(old, copy)
+    assert not ckpt_files.digest_path(copy).exists()
     io.load(copy)
 
 
@@ -338,31 +359,31 @@ def test_a_crash_mid_replace_leaves_either_file_accepted(tmp_path):
     """While last.pt is replaced, its digest file accepts the old bytes and the new: a crash
     before or after the rename leaves a file that reads."""
     last = tmp_path / "last.pt"
-    io.save_atomic({"model": {}, "step": 1}, last)
-    old = io.file_digest(last)
+    ckpt_files.save_atomic({"model": {}, "step": 1}, last)
+    old = ckpt_files.file_digest(last)
     new = tmp_path / "new.pt"
     torch.save({"model": {}, "step": 2}, new)
-    io._write_digests(io.digest_path(last), last.name, [old, io.file_digest(new)])  # first half
-    io.check_digest(last)  # crash before the rename: the old file
+    ckpt_files._write_digests(ckpt_files.digest_path(last), last.name, [old, ckpt_files.file_digest(new)])  # first half
+    ckpt_files.check_digest(last)  # crash before the rename: the old file
     os.replace(new, last)
-    io.check_digest(last)  # crash after it: the new one
+    ckpt_files.check_digest(last)  # crash after it: the new one
     assert io.load(last)["step"] == 2
 
 
 def test_a_sharded_checkpoint_lists_every_file_and_refuses_a_changed_shard(tmp_path, gloo_group):
-    last = tmp_path / "checkpoints" / io.LAST
-    io.save_sharded({"model": {"w": torch.arange(64.0)}}, {"step": 1}, last, is_main=True)
-    sums = (last / io.SHARDED_DIGEST).read_text().splitlines()
+    last = tmp_path / "checkpoints" / ckpt_files.LAST
+    ckpt_sharded.save_sharded({"model": {"w": torch.arange(64.0)}}, {"step": 1}, last, is_main=True)
+    sums = (last / ckpt_files.SHARDED_DIGEST).read_text().splitlines()
     listed = sorted(line.split("  ", 1)[1] for line in sums)
-    assert listed == sorted(p.name for p in last.iterdir() if p.name != io.SHARDED_DIGEST)
-    assert {io.META, ".metadata"} <= set(listed)
+    assert listed == sorted(p.name for p in last.iterdir() if p.name != ckpt_files.SHARDED_DIGEST)
+    assert {ckpt_sharded.META, ".metadata"} <= set(listed)
     io.verify(last)
     assert io.load(last)["step"] == 1
     (shard,) = [p for p in last.iterdir() if p.suffix == ".distcp"]
     _flip_byte(shard, at=shard.stat().st_size - 8)
-    for read in (io.verify, io.load, io.load_sharded):
+    for read in (io.verify, io.load, ckpt_sharded.load_sharded):
         with pytest.raises(CheckpointError, match=rf"checkpoint {shard} changed since it was saved.*"
-                                                  rf"{io.SHARDED_DIGEST} recorded"):
+                                                  rf"{ckpt_files.SHARDED_DIGEST} recorded"):
             read(last)
     shard.unlink()
     with pytest.raises(CheckpointError, match=rf"checkpoint {last} is incomplete: {shard.name} listed"):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from ddpexp.config import cli
+from ddpexp.config import cli, commands
 
 
 def test_unknown_trainer_key_suggests_closest():
@@ -114,16 +114,16 @@ def test_a_group_list_with_a_typo_names_the_options_there_are():
 
 
 def test_command_line_values_typed_and_unquoted():
-    values = cli.command_line_values([
+    values = commands.command_line_values([
         "-m", 'hydra.run.dir="outputs/my run"', "trainer.max_epochs=3", "resume=null",
         "+x.y=true", "a=1,2", "~callbacks.ema", "seed=range(3)", "bad=[",
     ])
     assert values == {"hydra.run.dir": "outputs/my run", "trainer.max_epochs": 3, "resume": None,
-                      "x.y": True, "a": cli.SWEPT, "seed": cli.SWEPT}
+                      "x.y": True, "a": commands.SWEPT, "seed": commands.SWEPT}
 
 
 def test_command_line_values_escaped_space():
-    assert cli.command_line_values(["hydra.run.dir=outputs/my\\ run"]) == {"hydra.run.dir": "outputs/my run"}
+    assert commands.command_line_values(["hydra.run.dir=outputs/my\\ run"]) == {"hydra.run.dir": "outputs/my run"}
 
 
 @pytest.mark.parametrize("value, word", [
@@ -132,12 +132,12 @@ def test_command_line_values_escaped_space():
     ("null", "'resume=\"null\"'"),
 ])
 def test_command_line_override(value, word):
-    assert cli.command_line_override("resume", value) == word
+    assert commands.command_line_override("resume", value) == word
 
 
 @pytest.mark.parametrize("value", ["a b", " lead", 'say "hi"', "back\\slash\\", "ünï", "1e3", "[x]"])
 def test_command_line_override_reads_back(value):
-    word = cli.command_line_override("k", value)
+    word = commands.command_line_override("k", value)
     (arg,) = shlex.split(word)
     assert OverridesParser.create().parse_override(arg).value() == value
 
@@ -213,28 +213,28 @@ def test_the_resume_command_keeps_every_flag_and_override_quoted_for_a_shell():
     args = ["hydra.run.dir=outputs/old", "--config-dir", "my conf", "+callbacks.mine._target_=m.C",
             "-cn", "other", "~callbacks.ema", "resume=auto", "model.hidden=[8, 8]", "-cp=conf",
             "+resume=x", "'data.path=a b'"]
-    line = cli.resume_command(args, run_dir="outputs/my run", prefix="srun -n 2 python -m ddpexp")
+    line = commands.resume_command(args, run_dir="outputs/my run", prefix="srun -n 2 python -m ddpexp")
     assert line.startswith("srun -n 2 python -m ddpexp --config-dir 'my conf' -cn other -cp=conf ")
     assert shlex.split(line)[6:] == [
         "--config-dir", "my conf", "-cn", "other", "-cp=conf", "resume=outputs/my run",
         "+callbacks.mine._target_=m.C", "~callbacks.ema", "model.hidden=[8, 8]", "'data.path=a b'"]
     # A flag's value is the flag's, whatever it looks like.
-    assert shlex.split(cli.resume_command(["-cn", "resume=x"], run_dir="r"))[3:] == [
+    assert shlex.split(commands.resume_command(["-cn", "resume=x"], run_dir="r"))[3:] == [
         "-cn", "resume=x", "resume=r"]
 
 
 def test_the_command_that_continues_a_sweep(monkeypatch):
     args = ["-m", "seed=1,2", "hydra.sweep.dir=old", "hydra.run.dir=kept", "resume=auto"]
-    line = cli.resume_command(args, sweep_dir="/s w")
+    line = commands.resume_command(args, sweep_dir="/s w")
     assert shlex.split(line) == ["python", "-m", "ddpexp", "-m", "resume=auto",
                                  "hydra.sweep.dir=/s w", "seed=1,2", "hydra.run.dir=kept"]
     # A job process learns the sweep's command from the sweep's process.
     monkeypatch.setattr("sys.argv", ["job.py", "spec", "result"])
-    monkeypatch.delenv(cli.SWEEP_COMMAND_ENV, raising=False)
-    assert cli.sweep_command() is None
-    assert cli.continue_sweep("/s") == "run the sweep's command again with: resume=auto hydra.sweep.dir=/s"
-    monkeypatch.setenv(cli.SWEEP_COMMAND_ENV, '["-m", "seed=1,2"]')
-    assert cli.continue_sweep("/s") == "run:\n  python -m ddpexp -m resume=auto hydra.sweep.dir=/s seed=1,2"
+    monkeypatch.delenv(commands.SWEEP_COMMAND_ENV, raising=False)
+    assert commands.sweep_command() is None
+    assert commands.continue_sweep("/s") == "run the sweep's command again with: resume=auto hydra.sweep.dir=/s"
+    monkeypatch.setenv(commands.SWEEP_COMMAND_ENV, '["-m", "seed=1,2"]')
+    assert commands.continue_sweep("/s") == "run:\n  python -m ddpexp -m resume=auto hydra.sweep.dir=/s seed=1,2"
 
 
 def test_entry_typos_name_the_entries_of_the_composed_config(tmp_path):

@@ -66,7 +66,7 @@ def test_build_keeps_ddpexp_error_message():
 def test_a_target_that_does_not_import_is_named_with_its_key():
     for target, why in (("nope.Model", "no module named 'nope'"),
                         ("ddpexp.models.MLPP", "ddpexp.models has no MLPP; did you mean ddpexp.models.MLP?"),
-                        ("ddpexp.nomod.X", "ddpexp has no nomod")):
+                        ("ddpexp.qqq.X", "ddpexp has no qqq")):
         with pytest.raises(ConfigError) as refused:
             components.check_nodes({"model": {"_target_": target}})
         assert str(refused.value) == (f"model._target_: cannot import {target} ({why}); check the "

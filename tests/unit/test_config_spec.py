@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+from pathlib import Path
 
 import pytest
 from omegaconf import open_dict
@@ -66,13 +67,32 @@ def test_build_leaves_the_given_config_unchanged(tmp_path):
     lambda s: RunSpec.from_json(s.to_json().encode()),  # as a TCPStore returns it
 ], ids=["pickle", "json", "json-bytes"])
 def test_round_trips(tmp_path, spec_of):
+    from ddpexp.modes.evaluate import Evaluate
+    from ddpexp.modes.train import Train
+
     spec = _spec(tmp_path, "trainer.procs=2", "trainer.fsdp.wrap=[Linear]",
-                 resume_from=tmp_path / "checkpoints" / "last.pt", eval_checkpoint=None,
+                 resume_from=tmp_path / "checkpoints" / "last.pt",
                  hparams={"optimizer.lr": 0.1})
     back = spec_of(spec)
-    assert back == spec
+    assert back == spec and back.mode == Train()
     assert back.trainer.strategy == "ddp" and back.trainer.fsdp.wrap == ["Linear"]
     assert back.resume_from == tmp_path / "checkpoints" / "last.pt"
+    # The mode travels typed, its paths as paths.
+    evaluate = _spec(tmp_path, mode=Evaluate(tmp_path / "best.pt", "val"))
+    assert spec_of(evaluate).mode == Evaluate(tmp_path / "best.pt", "val")
+
+
+def test_a_mode_is_its_module_and_one_registry_line():
+    from ddpexp.config.modes import MODES, from_dict, mode_class, to_dict
+    from ddpexp.modes.evaluate import Evaluate
+
+    assert set(MODES) == {"train", "evaluate"}
+    assert all(mode_class(name).name == name for name in MODES)
+    assert to_dict(Evaluate(Path("/r/best.pt"))) == {"name": "evaluate",
+                                                     "checkpoint": "/r/best.pt", "split": "test"}
+    assert from_dict(to_dict(Evaluate(Path("/r/best.pt")))) == Evaluate(Path("/r/best.pt"))
+    with pytest.raises(ValueError, match="run mode 'find' is not one of"):
+        mode_class("find")
 
 
 def test_a_trainer_key_the_schema_refuses_is_a_config_error(tmp_path):

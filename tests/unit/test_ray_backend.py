@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from ddpexp.errors import ConfigError
 from ddpexp.launch.world import detect
 from ddpexp.sweep.backend import Job
-from ddpexp.sweep.ray_backend import (
+from ddpexp.sweep.ray_cluster import (
     Need,
     Node,
     fits,
@@ -138,7 +138,8 @@ def test_a_node_that_cannot_write_the_sweep_dir_says_why(tmp_path) -> None:
 
 def test_a_job_goes_where_the_sweep_holds_idle_cpus_else_to_the_fullest_node_that_fits() -> None:
     """The choice that lets the next job start in an ended job's CPUs without asking Ray."""
-    from ddpexp.sweep.ray_backend import RayBackend, Unit
+    from ddpexp.sweep.ray_backend import RayBackend
+    from ddpexp.sweep.ray_cluster import Unit
     from ddpexp.sweep.settings import RaySettings
 
     backend = RayBackend(RaySettings(address="auto"), None)  # no job is started: no Hydra set-up

@@ -67,7 +67,8 @@ def test_a_launcher_that_does_not_fork_ends_it(early):
     from omegaconf import OmegaConf
 
     from ddpexp.sweep import local
-    from ddpexp.sweep.settings import HydraSetup, LocalSettings
+    from ddpexp.sweep.backend import HydraSetup
+    from ddpexp.sweep.settings import LocalSettings
 
     hydra = HydraSetup(OmegaConf.create({"trainer": {"procs": 1}}), None, None)  # type: ignore[arg-type]  # the backend reads only the config before a job starts
     sweep = local.LocalBackend(LocalSettings(fork=False), hydra)

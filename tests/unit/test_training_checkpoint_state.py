@@ -193,13 +193,14 @@ def test_schedule_progress_drops_lambdas():
 def test_a_restart_refuses_a_changed_shard_of_the_runs_own_checkpoint(trainer_factory, gloo_group):
     import dataclasses
 
-    from ddpexp.checkpoint import io as ckpt_io
+    from ddpexp.checkpoint import files as ckpt_files
+    from ddpexp.checkpoint import sharded as ckpt_sharded
     from ddpexp.errors import CheckpointError
 
     first = trainer_factory("run", strategy="fsdp", callbacks={"checkpoint": ModelCheckpoint()})
     first.fit()
-    last = first.run_dir / "checkpoints" / ckpt_io.LAST
-    assert ckpt_io.is_sharded(last)
+    last = first.run_dir / "checkpoints" / ckpt_files.LAST
+    assert ckpt_sharded.is_sharded(last)
 
     def restarted():
         t = trainer_factory("run", strategy="fsdp", callbacks={"checkpoint": ModelCheckpoint()})

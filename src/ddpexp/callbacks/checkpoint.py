@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpexp.callbacks.base import LAST, Callback, TrainerView
+from ddpexp.checkpoint import files as ckpt_files
 from ddpexp.checkpoint import io as ckpt_io
 from ddpexp.checkpoint.topk import TopK
 from ddpexp.errors import ConfigError
@@ -52,12 +53,12 @@ class ModelCheckpoint(Callback):
     @property
     def last_model_path(self) -> Path:
         """The newest checkpoint (under fsdp a directory of shards)."""
-        return self.dirpath / ckpt_io.LAST
+        return self.dirpath / ckpt_files.LAST
 
     @property
     def best_model_path(self) -> Path:
         """The checkpoint of the best validation so far (always one file)."""
-        return self.dirpath / ckpt_io.BEST
+        return self.dirpath / ckpt_files.BEST
 
     def setup(self, trainer: TrainerView) -> None:
         self.dirpath = ckpt_io.checkpoint_dir(trainer.run_dir)
@@ -67,7 +68,7 @@ class ModelCheckpoint(Callback):
     def on_fit_start(self, trainer: TrainerView) -> None:
         if not trainer.is_main:
             return
-        removed = ckpt_io.remove_stale_temporaries(self.dirpath)
+        removed = ckpt_files.remove_stale_temporaries(self.dirpath)
         if removed:
             log.info("removed %d stale checkpoint temporaries", len(removed))
         if self.top_k is not None and trainer.resumed:
@@ -118,7 +119,7 @@ class ModelCheckpoint(Callback):
 
         def remove() -> None:
             for path in paths:
-                ckpt_io.remove(path)  # and its digest
+                ckpt_files.remove(path)  # and its digest
 
         return remove
 

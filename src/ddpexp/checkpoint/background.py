@@ -10,7 +10,7 @@ tensors a synchronous save of that step would.
 
 At most one save is in flight (:meth:`Saver.save` waits for the previous one), so the
 copies never cost more than one checkpoint's bytes of host memory. The write itself is the
-synchronous one (:func:`ddpexp.checkpoint.io.save_atomic`: temporary file, fsync, rename),
+synchronous one (:func:`ddpexp.checkpoint.files.save_atomic`: temporary file, fsync, rename),
 so a process killed during it leaves the previous checkpoint whole. A write that failed is
 raised once, in the loop's thread, at the next :meth:`Saver.poll` (each step) or
 :meth:`Saver.wait` (the next save, the end of the run, a test of best.pt).
@@ -26,7 +26,7 @@ warning; ``true`` always in the background, ``false`` never.
 
 A strategy whose every rank writes (fsdp: each its shards of a sharded ``last.pt``) saves
 through :meth:`Saver.save_staged`: the strategy copies the state and starts the write in the
-loop's thread (DCP's async save, :func:`ddpexp.checkpoint.io.start_sharded`), and the
+loop's thread (DCP's async save, :func:`ddpexp.checkpoint.sharded.start_sharded`), and the
 writer's thread completes it. There the memory rule counts every rank of the host, and the
 ranks agree on its verdict, since the two ways run different collectives.
 """
@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from ddpexp.checkpoint.io import HostStaging
+from ddpexp.checkpoint.sharded import HostStaging
 
 log = logging.getLogger("ddpexp")
 

@@ -3,7 +3,7 @@ metric, each a file named with its epoch and value, e.g. ``epoch003-val_acc-0.99
 
 This module only decides. The checkpoint callback (:class:`ddpexp.callbacks.ModelCheckpoint`)
 acts on its answer: it has the new file written through ``trainer.save_checkpoint`` (atomically,
-:mod:`ddpexp.checkpoint.io`) and then, on global rank 0, deletes the files that fell out. The
+:mod:`ddpexp.checkpoint.files`) and then, on global rank 0, deletes the files that fell out. The
 order is what keeps a crash harmless: :meth:`TopK.offer` updates the ranking, the new file is
 written and only then are the files that fell out of the ranking deleted. The
 ranking is part of every checkpoint (:meth:`TopK.state_dict`), so a resumed run goes on

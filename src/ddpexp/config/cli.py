@@ -1,18 +1,16 @@
 """The command line before Hydra reads it: typos of group names and of keys (top-level,
 ``trainer.*``, entries under ``callbacks.*`` and ``logger.*``, the keys of the nodes built by
 ``_target_``), a group option it does not have, a run dir that another live run holds or that
-already holds a run, ``resume=`` paths, and overrides
-quoted back for a printed command (the command that continues a run, :func:`resume_command`)."""
+already holds a run, and ``resume=`` paths. The commands printed back (the one that continues a
+run or a sweep) are :mod:`ddpexp.config.commands`'."""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
-import json
 import os
 import re
-import shlex
-import sys
 from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
@@ -23,6 +21,7 @@ from hydra.core.override_parser.types import ChoiceSweep
 from hydra.errors import HydraException
 
 from ddpexp.config import runlock
+from ddpexp.config.commands import SWEPT, VALUE_FLAGS, command_line_override, command_line_values
 from ddpexp.config.rundir import (
     holds_run,
     interrupted_before_training,
@@ -52,6 +51,60 @@ def unknown_trainer_keys(args: list[str]) -> str | None:
         return None
     return ("unknown trainer key " + "; ".join(problems)
             + f"\n(trainer keys: {', '.join(known)})")
+
+
+def mistyped_values(args: Sequence[str]) -> str | None:
+    """One line for an override of a typed key (``trainer.*``, ``seed``, ``overwrite``) whose
+    value the key does not take (``trainer.max_epochs=abc``), naming the key, the value and
+    what it takes, instead of the dump Hydra prints for it. Swept values are left to Hydra."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from ddpexp.config.schema import DdpexpConfig
+
+    typed = None
+    for key, value in command_line_values(args).items():
+        kind = _typed_kind(key)
+        if kind is None or value is SWEPT or (isinstance(value, str) and "${" in value):
+            continue
+        typed = typed if typed is not None else OmegaConf.structured(DdpexpConfig)
+        try:
+            OmegaConf.update(typed, key, value, merge=False)
+        except (OmegaConfBaseException, ValueError):
+            given = next((a.split("=", 1)[1] for a in args
+                          if "=" in a and a.split("=", 1)[0].lstrip("+") == key), str(value))
+            return f"{key}={given}: {key} takes {kind}, not {given!r}"
+    return None
+
+
+def _typed_kind(key: str) -> str | None:
+    """What the schema's key ``key`` takes, in words ("an integer or null"); None for a key
+    the schema does not type (a group's node, an unknown key: other checks name those)."""
+    import typing
+    from enum import Enum
+
+    from ddpexp.config.schema import DdpexpConfig
+
+    cls: Any = DdpexpConfig
+    hint: Any = None
+    for part in key.split("."):
+        hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
+        if part not in hints:
+            return None
+        hint = cls = hints[part]
+    if dataclasses.is_dataclass(hint) or hint is Any:
+        return None
+    args = typing.get_args(hint)
+    nullable = type(None) in args
+    base = next((a for a in args if a is not type(None)), hint) if args else hint
+    words = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    if isinstance(base, type) and issubclass(base, Enum):
+        kind = "one of " + ", ".join(m.value for m in base)
+    elif base in words:
+        kind = words[base]
+    else:
+        return None
+    return f"{kind} or null" if nullable else kind
 
 
 def unknown_group_options(args: list[str]) -> str | None:
@@ -87,12 +140,34 @@ def unknown_group_options(args: list[str]) -> str | None:
 
 
 def _group_options(group: str) -> list[str]:
-    """The options of ddpexp's own config group ``group`` (its YAML files), or [] for a
-    name that is no such group."""
+    """The options of ddpexp's own config group ``group`` (its YAML files), or of one of
+    Hydra's (``hydra/launcher``: Hydra's own, its plugins' and ddpexp's), or [] for a name
+    that is no such group."""
+    if re.fullmatch(r"hydra/[a-z_]+", group):
+        return _hydra_group_options(group)
     if not re.fullmatch(r"[a-z_]+", group):
         return []
     folder = Path(__file__).resolve().parents[1] / "conf" / group
     return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+
+
+@functools.cache
+def _hydra_group_options(group: str) -> list[str]:
+    """The options Hydra's search path of ddpexp's config has for ``group``. Its plugins are
+    discovered here (Hydra keeps them for the run that follows)."""
+    from hydra._internal.config_repository import ConfigRepository
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.plugins import Plugins
+
+    from ddpexp.config.schema import register_configs
+
+    Plugins.instance()
+    register_configs()
+    try:
+        options = ConfigRepository(create_config_search_path("pkg://ddpexp.conf"))
+        return sorted(options.get_group_options(group))
+    except Exception:  # Hydra's internals moved: leave the option to Hydra's own message
+        return []
 
 
 # The groups composed as dicts of entries by name.
@@ -101,9 +176,6 @@ ENTRY_GROUPS = ("callbacks", "logger")
 BUILT_GROUPS = ("task", "model", "data", "optimizer", "scheduler")
 # Flags that choose another primary config than ddpexp's: the entries are then unknown here.
 _OTHER_PRIMARY = ("--config-path", "-cp", "--config-name", "-cn")
-# Hydra's flags that take the next word as their value (``--config-dir my_conf``).
-_VALUE_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn",
-                "--cfg", "-c", "--package", "-p", "--experimental-rerun")
 
 
 def _config_dir_and_overrides(args: Sequence[str]) -> tuple[str | None, list[tuple[Any, str]]] | None:
@@ -125,7 +197,7 @@ def _config_dir_and_overrides(args: Sequence[str]) -> tuple[str | None, list[tup
         if arg.startswith("--config-dir="):
             config_dir = arg.split("=", 1)[1]
             continue
-        if arg in _VALUE_FLAGS:
+        if arg in VALUE_FLAGS:
             next(flags, None)  # its value (--cfg job) is no override
             continue
         if arg.startswith("-"):
@@ -329,104 +401,6 @@ def _missing_argument(group: str, node: Any, part: str, value: str | None) -> st
             f"({target} takes: {', '.join(takes) or 'none'})")
 
 
-# A sweep's value (``a,b``, ``range(3)``) in :func:`command_line_values`.
-SWEPT = object()
-
-
-def command_line_values(args: Sequence[str]) -> dict[str, Any]:
-    """The overrides on the command line ``args`` as Hydra itself reads them, by key (its
-    ``+``/``++`` prefix dropped): quotes and escapes undone, so that
-    ``'hydra.run.dir="outputs/my run"'`` and ``hydra.run.dir=outputs/my\\ run`` both give
-    ``"outputs/my run"``, and ``null``, numbers and booleans typed. A sweep's value is
-    :data:`SWEPT`. Flags, their values, deletions (``~key``) and what Hydra cannot parse (it
-    reports that itself) are left out."""
-    parser = OverridesParser.create()
-    values: dict[str, Any] = {}
-    for arg in args:
-        if arg.startswith("-"):
-            continue
-        try:
-            override = parser.parse_override(arg)
-        except HydraException:
-            continue
-        if override.is_delete():
-            continue
-        values[override.key_or_group] = SWEPT if override.is_sweep_override() else override.value()
-    return values
-
-
-def command_line_override(key: str, value: Any) -> str:
-    """``key=value`` as one shell word that Hydra reads back as ``value``: quoted for Hydra
-    where its grammar would read the bare value otherwise (spaces at the ends, non-ASCII
-    letters, ``null``...), then for the shell. ``resume=outputs/run`` stays as it is;
-    ``outputs/my run é`` becomes ``'resume="outputs/my run é"'``."""
-    text = str(value)
-    bare = f"{key}={text}"
-    try:
-        if OverridesParser.create().parse_override(bare).value() == text:
-            return shlex.quote(bare)
-    except HydraException:
-        pass
-    # In Hydra's quoted strings only backslashes before a quote (or the closing one) escape.
-    escaped = re.sub(r'(\\*)("|$)', lambda m: m.group(1) * 2 + ("\\" + m.group(2) if m.group(2) else ""),
-                     text)
-    return shlex.quote(f'{key}="{escaped}"')
-
-
-# Where a sweep's job processes find the sweep's command line (a JSON list of its words):
-# their own is the job runner's.
-SWEEP_COMMAND_ENV = "DDPEXP_SWEEP_COMMAND"
-
-
-def resume_command(args: Sequence[str], run_dir: Path | str | None = None,
-                   sweep_dir: Path | str | None = None, prefix: str = "python -m ddpexp",
-                   fresh: bool = False) -> str:
-    """The command that continues the run (or, with ``sweep_dir``, the sweep) that the
-    command line ``args`` started, as one line a shell runs as it is: every flag
-    (``--config-dir``, ``-cp``, ``-cn``, ``-m``) and override (``+``/``~`` ones included)
-    of ``args`` kept, its ``resume=`` and run dir (``hydra.run.dir``, or ``hydra.sweep.dir``
-    for a sweep) replaced by ``resume=<run_dir>`` (``resume=auto
-    hydra.sweep.dir=<sweep_dir>``; with ``fresh``, for a run that saved no checkpoint yet,
-    ``resume=auto hydra.run.dir=<run_dir>``), each word quoted for the shell."""
-    replaced = ("resume", "hydra.sweep.dir" if sweep_dir is not None else "hydra.run.dir")
-    flags, overrides, value_of_flag = [], [], False
-    for arg in args:
-        if value_of_flag or arg.startswith("-"):
-            flags.append(arg)
-        elif arg.split("=", 1)[0].lstrip("+~") not in replaced:
-            overrides.append(arg)
-        value_of_flag = arg in _VALUE_FLAGS
-    if sweep_dir is not None:
-        resume = ["resume=auto", command_line_override("hydra.sweep.dir", sweep_dir)]
-    elif fresh:
-        resume = ["resume=auto", command_line_override("hydra.run.dir", run_dir)]
-    else:
-        resume = [command_line_override("resume", run_dir)]
-    # Flags first: Hydra's argument parser takes no flag after the first override.
-    return " ".join([prefix, *map(shlex.quote, flags), *resume, *map(shlex.quote, overrides)])
-
-
-def sweep_command() -> list[str] | None:
-    """The command line of the sweep this process runs (a job of): the one a sweep process
-    hands its job processes (:data:`SWEEP_COMMAND_ENV`), or this process's own where it is
-    the sweep's; None where neither is known (a job of another launcher, e.g. submitit)."""
-    handed = os.environ.get(SWEEP_COMMAND_ENV)
-    if handed:
-        return json.loads(handed)
-    own = sys.argv[1:]
-    return own if any(a in ("-m", "--multirun") for a in own) else None
-
-
-def continue_sweep(sweep_dir: Path | str) -> str:
-    """How to continue the sweep in ``sweep_dir``: its whole command where it is known
-    (:func:`sweep_command`), else what to add to it."""
-    args = sweep_command()
-    if args is None:
-        return ("run the sweep's command again with: resume=auto "
-                + command_line_override("hydra.sweep.dir", sweep_dir))
-    return "run:\n  " + resume_command(args, sweep_dir=sweep_dir)
-
-
 def preflight(args: list[str]) -> str | None:
     """Checks of the command line that must happen before Hydra claims a run dir: typos of
     group names and keys (top-level, trainer, callbacks, logger, and the keys of the nodes
@@ -435,13 +409,17 @@ def preflight(args: list[str]) -> str | None:
     otherwise leave an empty new run dir behind its error). Launcher settings are checked by
     the launcher (:mod:`ddpexp.sweep.settings`), before a sweep writes anything."""
     typo = (unknown_trainer_keys(args) or unknown_top_level(args) or unknown_group_options(args)
-            or unknown_group_keys(args))
+            or unknown_group_keys(args) or mistyped_values(args))
     if typo:
         return typo
+    values = command_line_values(args)
+    if values.get("resume") not in (None, "") and values.get("overwrite") is True:
+        return (f"overwrite=true starts a new run in place of the one in the run dir, and "
+                f"resume={values['resume']} continues a run: give one of them")
     taken = busy_run_dir(args) or run_dir_conflict(args)
     if taken:
         return taken
-    resume = command_line_values(args).get("resume")
+    resume = values.get("resume")
     if isinstance(resume, str) and resume not in ("", "auto") and not Path(resume).expanduser().exists():
         return f"resume={resume} is neither auto, a run dir nor a checkpoint file that exists"
     return None

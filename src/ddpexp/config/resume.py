@@ -7,6 +7,11 @@ or data position belong to). The run's parent refuses before anything is written
 (:func:`refusal`); the trainer applies what is left and lists it in the log and in
 ``metrics.json``'s ``resume_changes``.
 
+A resume continues the run it names: :func:`with_recorded_overrides` puts the overrides the
+run was last started with before the resume's own on the command line, so that a key the
+resume does not name keeps the run's value, and only the keys it names change (applied or
+refused here).
+
 Only what the user changed counts. A key the checkpoint's config lacks was added by a later
 version; one that only the checkpoint has was dropped by one; a key that a later version's
 defaults changed is no change when ``baseline`` (this version's config of the overrides the
@@ -17,8 +22,9 @@ from __future__ import annotations
 
 import fnmatch
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 APPLY, REFUSE, IGNORE = "apply", "refuse", "ignore"
@@ -196,3 +202,95 @@ def _entry_changes(saved: Mapping[str, Any], new: Mapping[str, Any],
                 continue
             found.append(Change(f"{group}.{name}", old.get(name, ABSENT), now.get(name, ABSENT)))
     return found
+
+
+# Overrides of a run's record that a resume does not take over: how that attempt was started
+# and where its outputs went (the resume names its run dir itself).
+NOT_CARRIED = ("hydra.", "hydra/", "resume=", "overwrite=")
+
+
+def attempt_dirs(run_dir: Path) -> list[Path]:
+    """The config dirs of a run's attempts, oldest first: ``.hydra``, then ``.hydra/resume-N``
+    of each resume, those that hold an ``overrides.yaml``."""
+    first = Path(run_dir) / ".hydra"
+    dirs = [first, *sorted((p for p in first.glob("resume-*") if p.name[7:].isdigit()),
+                           key=lambda p: int(p.name[7:]))]
+    return [d for d in dirs if (d / "overrides.yaml").is_file()]
+
+
+def recorded_overrides(attempt: Path) -> list[str] | None:
+    """The task overrides an attempt was started with (its ``overrides.yaml``), without the
+    ones of :data:`NOT_CARRIED`; None where the file cannot be read as a list."""
+    import yaml
+
+    try:
+        saved = yaml.safe_load((attempt / "overrides.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    if not isinstance(saved, list):
+        return None
+    return [str(o) for o in saved if not str(o).lstrip("+~").startswith(NOT_CARRIED)]
+
+
+def with_recorded_overrides(args: Sequence[str]) -> list[str]:
+    """The command line of a resume into a run dir (``resume=DIR``, a checkpoint file in it,
+    or ``resume=auto`` with ``hydra.run.dir=DIR`` of a run that exists), with the overrides
+    the run was last started with put before the resume's own overrides: a resume that
+    names no key keeps every value of the run. A recorded override whose key (or a key
+    above it) the command line sets is left out; a deletion (``~key``) comes after the
+    recorded overrides, so that it also removes what the run added (``+key=...``). Any
+    other command line (a new run, a sweep) is returned as it is."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from ddpexp.config.commands import VALUE_FLAGS
+
+    args = list(args)
+    if any(a in ("-m", "--multirun") for a in args):
+        return args
+    parser = OverridesParser.create()
+    keys: dict[str, int] = {}  # the command line's override keys, by position
+    set_keys: set[str] = set()  # those it gives a value (not ~key)
+    values: dict[str, Any] = {}
+    for i, arg in enumerate(args):
+        if arg.startswith("-") or (i > 0 and args[i - 1] in VALUE_FLAGS):
+            continue
+        try:
+            override = parser.parse_override(arg)
+        except Exception:  # Hydra reports what it cannot parse itself
+            continue
+        keys.setdefault(override.key_or_group, i)
+        if not override.is_delete():
+            set_keys.add(override.key_or_group)
+            values[override.key_or_group] = override.value()
+    run_dir = _resumed_run_dir(values)
+    if run_dir is None or not keys:
+        return args
+    attempts = attempt_dirs(run_dir)
+    recorded = recorded_overrides(attempts[-1]) if attempts else None
+    if not recorded:
+        return args
+    kept = []
+    for arg in recorded:
+        try:
+            key = parser.parse_override(arg).key_or_group
+        except Exception:
+            continue  # one this version cannot parse: the resume's refusal names the key
+        if not any(key == k or key.startswith(k + ".") for k in set_keys):
+            kept.append(arg)
+    first = min(keys.values())
+    return [*args[:first], *kept, *args[first:]]
+
+
+def _resumed_run_dir(values: Mapping[str, Any]) -> Path | None:
+    """The run dir a command line resumes, where it names one that holds a run."""
+    resume = values.get("resume")
+    if resume == "auto":
+        target = values.get("hydra.run.dir")
+        target = Path(str(target)).expanduser() if target else None
+    elif isinstance(resume, str) and resume:
+        target = Path(resume).expanduser()
+        if target.is_file() and target.parent.name == "checkpoints":
+            target = target.parent.parent
+    else:
+        return None
+    return target if target is not None and (target / ".hydra").is_dir() else None

@@ -8,8 +8,9 @@ config is composed, before anything runs. What users swap (``model``, ``data``, 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -18,8 +19,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from ddpexp.config.rundir import claimed_subdir, resume_dir, unique_dir
 
 
-class MonitorMode(Enum):
-    """Whether a larger or a smaller monitored metric is better."""
+class MonitorMode(StrEnum):
+    """Whether a larger or a smaller monitored metric is better (a string: ``"max"``)."""
 
     max = "max"
     min = "min"
@@ -130,6 +131,14 @@ class TrainerConfig:
     # torch.use_deterministic_algorithms(True): ops without a deterministic kernel raise.
     deterministic: bool = False
 
+    @property
+    def blocks(self) -> Any:
+        """The model's blocks, as a rule (docs/config.md): what activation checkpointing
+        recomputes under every strategy, and the units ``strategy=fsdp`` shards. Written
+        ``trainer.fsdp.wrap``, where it began; the rest of ``fsdp`` is that strategy's
+        own, read by it alone."""
+        return self.fsdp.wrap
+
 
 @dataclass
 class DdpexpConfig:
@@ -163,10 +172,18 @@ def register_configs() -> None:
         OmegaConf.register_new_resolver("ddpexp.hydra_subdir", claimed_subdir)
 
 
+def trainer_of(config: Mapping[str, Any]) -> TrainerConfig:
+    """The typed trainer of a whole config (composed, or plain as a checkpoint holds it):
+    :func:`trainer_config` of its ``trainer`` node."""
+    return trainer_config(config["trainer"])
+
+
 def trainer_config(node: Any) -> TrainerConfig:
     """The ``trainer`` node (a DictConfig or a resolved plain dict) as the typed
-    :class:`TrainerConfig`, enums and all; a key or value the schema does not allow is
-    refused (omegaconf's ``ConfigKeyError``, ``ValidationError``)."""
+    :class:`TrainerConfig`, enums and all: the one place the node becomes that object, for
+    a spec built in the run's parent and for one that arrives as JSON alike. A key or value
+    the schema does not allow is refused (omegaconf's ``ConfigKeyError``,
+    ``ValidationError``)."""
     merged = OmegaConf.merge(OmegaConf.structured(TrainerConfig), node)
     return OmegaConf.to_object(merged)  # pyright: ignore[reportReturnType]  # a structured TrainerConfig node converts to that dataclass
 

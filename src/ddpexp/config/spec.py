@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddpexp.config.modes import RunMode, from_dict, mode_class, to_dict
 from ddpexp.config.monitor import with_monitor
-from ddpexp.config.schema import FSDPConfig, MonitorMode, TrainerConfig, trainer_config
+from ddpexp.config.schema import TrainerConfig, trainer_config
 from ddpexp.errors import ConfigError
 
 
@@ -45,8 +46,8 @@ class Plan:
 @dataclass(frozen=True)
 class RunSpec:
     """Everything a worker needs, decided by the parent: the resolved config (``config``,
-    plain; ``trainer``, typed), the layout, where to write, what to resume from and, for
-    ``ddpexp.eval``, which checkpoint to evaluate on which split instead of training."""
+    plain; ``trainer``, typed), the layout, where to write, what to resume from, and the run
+    mode (:mod:`ddpexp.config.modes`: train, or for ``ddpexp.eval`` evaluate a checkpoint)."""
 
     config: dict
     trainer: TrainerConfig
@@ -60,8 +61,8 @@ class RunSpec:
     sweep_dir: Path | None = None
     # The worker runs in the parent's own process (one worker, no restarts).
     in_process: bool = False
-    eval_checkpoint: Path | None = None
-    eval_split: str = "test"
+    # What the workers do (ddpexp.modes): train unless the parent says otherwise.
+    mode: RunMode = field(default_factory=lambda: mode_class("train")())
     # What this resume changes against the checkpoint's config, each change the parent let
     # through: [{"key", "from", "to"}] (ddpexp.config.resume).
     resume_changes: list = field(default_factory=list)
@@ -91,6 +92,7 @@ class RunSpec:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                   if f.name != "trainer"}
         fields["plan"] = dataclasses.asdict(self.plan)
+        fields["mode"] = to_dict(self.mode)
         for name, value in fields.items():
             if isinstance(value, Path):
                 fields[name] = str(value)
@@ -100,19 +102,10 @@ class RunSpec:
     def from_json(cls, text: str | bytes) -> RunSpec:
         """The spec :meth:`to_json` wrote."""
         fields = json.loads(text)
-        for name in ("run_dir", "log_file", "resume_from", "eval_checkpoint", "sweep_dir"):
+        for name in ("run_dir", "log_file", "resume_from", "sweep_dir"):
             if fields.get(name) is not None:
                 fields[name] = Path(fields[name])
+        fields["mode"] = from_dict(fields["mode"])
         plan = Plan(**fields.pop("plan"))
-        return cls(trainer=_typed_trainer(fields["config"]["trainer"]), plan=plan, **fields)
+        return cls(trainer=trainer_config(fields["config"]["trainer"]), plan=plan, **fields)
 
-
-def _typed_trainer(node: Mapping[str, Any]) -> TrainerConfig:
-    """A ``trainer`` node that :meth:`RunSpec.build` typed once already, typed again as it
-    arrives in JSON: the monitor mode from its value, ``fsdp`` as :class:`FSDPConfig` (the
-    strategy is plain data: a name, a class path or a ``_target_`` node)."""
-    values = dict(node)
-    mode = values.get("monitor_mode")
-    values["monitor_mode"] = None if mode is None else MonitorMode(mode)
-    values["fsdp"] = FSDPConfig(**values.get("fsdp", {}))
-    return TrainerConfig(**values)

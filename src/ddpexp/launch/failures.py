@@ -41,7 +41,8 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from ddpexp import errors
-from ddpexp.config.cli import continue_sweep, env_flag, resume_command
+from ddpexp.config.cli import env_flag
+from ddpexp.config.commands import continue_sweep, resume_command
 from ddpexp.config.rundir import (
     claimed_dirs,
     drop_empty_parent,

@@ -26,7 +26,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ddpexp.config.cli import env_flag, sweep_command
+from ddpexp.config.cli import env_flag
+from ddpexp.config.commands import sweep_command
 from ddpexp.config.schema import to_plain
 from ddpexp.config.spec import Plan, RunSpec
 from ddpexp.config.validate import validate

@@ -97,7 +97,7 @@ def fanout_keys_problem(args: list[str], world: World) -> str | None:
     decides instead: restarts (``trainer.max_restarts``), the number of nodes
     (``trainer.nodes``, :func:`nodes_problem`) and the nodes' rendezvous
     (``trainer.rdzv_endpoint``)."""
-    from ddpexp.config.cli import SWEPT, command_line_values
+    from ddpexp.config.commands import SWEPT, command_line_values
 
     values = command_line_values(args)
     restarts = values.get("trainer.max_restarts")

@@ -12,8 +12,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from ddpexp.config import resume as rules
 from ddpexp.config.monitor import with_monitor
 from ddpexp.config.schema import to_plain
@@ -61,21 +59,9 @@ def _baseline(run_dir: Path, hydra_cfg: Any) -> dict | None:
 def _earlier_overrides(run_dir: Path, hydra_cfg: Any) -> list[str] | None:
     """The task overrides of the newest earlier attempt in ``run_dir`` (``.hydra`` or
     ``.hydra/resume-N``), without ``resume=`` and ``hydra.*`` ones."""
-    first = run_dir / ".hydra"
-    dirs = [first, *sorted((p for p in first.glob("resume-*") if p.name[7:].isdigit()),
-                           key=lambda p: int(p.name[7:]))]
-    earlier = [d for d in dirs if (d / "overrides.yaml").is_file()]
+    earlier = rules.attempt_dirs(run_dir)
     if hydra_cfg.output_subdir:
         # The newest is this attempt's, which Hydra has just written (resolving
         # hydra.output_subdir again would name the next one).
         earlier = earlier[:-1]
-    if not earlier:
-        return None
-    try:
-        saved = OmegaConf.to_container(OmegaConf.load(earlier[-1] / "overrides.yaml"))
-    except Exception:  # an unreadable file: no baseline, every difference counts
-        return None
-    if not isinstance(saved, list):
-        return None
-    return [str(o) for o in saved
-            if not str(o).lstrip("+~").startswith(("hydra.", "hydra/", "resume="))]
+    return rules.recorded_overrides(earlier[-1]) if earlier else None

@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from ddpexp.checkpoint.io import newest_last
 from ddpexp.config.spec import RunSpec
 from ddpexp.launch import proc
 from ddpexp.launch.failures import explain_os_error
@@ -65,36 +64,24 @@ def set_threads(local_world_size: int) -> None:
 
 @record
 def run_worker(spec: RunSpec, store: dist.Store | None = None) -> dict | None:
-    """Train (or, for ddpexp.eval, evaluate a checkpoint) as one rank; global rank 0 returns
-    the run's metrics, the others ``None``. ``store``: one the ranks share already (a SLURM
-    step's), for the process group."""
-    trainer_cfg = spec.config["trainer"]
+    """Run the spec's mode (:mod:`ddpexp.modes`: train, or for ddpexp.eval evaluate a
+    checkpoint) as one rank; global rank 0 returns the run's metrics, the others ``None``.
+    ``store``: one the ranks share already (a SLURM step's), for the process group."""
     ctx = ddist.context_from_env(spec.trainer.gpus)
     if not spec.in_process:
         setup_logging(ctx.rank, str(spec.log_file))
     set_threads(ctx.local_world_size)
-    resume_from = spec.resume_from
-    if ctx.restart > 0:
-        last = newest_last(spec.run_dir / "checkpoints")
-        resume_from = last if last is not None else resume_from
-        if ctx.is_main:
-            log.warning("restart %d of the worker group: resuming from %s", ctx.restart,
-                        resume_from or "scratch (no checkpoint yet)")
     ddist.init_process_group(ctx, spec.trainer.dist_timeout_s,
-                             force=strategy_class(trainer_cfg["strategy"]).spans_processes,
+                             force=strategy_class(spec.trainer.strategy).spans_processes,
                              store=store)
+    ctx = ddist.with_mesh(ctx)
     if not spec.in_process:
         # A full disk costs the log its lines, not a "--- Logging error ---" traceback per
         # line (launch.failures.quiet_logging_errors; in process, the run's parent set it).
         logging.raiseExceptions = False
     try:
-        trainer = Trainer.from_spec(spec, ctx)
-        if spec.eval_checkpoint is not None:
-            result = trainer.evaluate_checkpoint(spec.eval_checkpoint, spec.eval_split)
-            interrupted = False
-        else:
-            result = trainer.fit(resume_from, spec.resume_changes)
-            interrupted = result["status"] == "interrupted"
+        result = spec.mode.run(Trainer.from_spec(spec, ctx), spec)
+        interrupted = isinstance(result, dict) and result.get("status") == "interrupted"
         if interrupted and ctx.world_size > 1:
             dist.barrier()  # rank 0 has written metrics.json: nobody exits before that
     except OSError as exc:  # an unreadable data.root, a full disk: one message, not errno

@@ -2,6 +2,12 @@
 
 A worker learns who it is from the environment torch elastic (or SLURM) gives it, once, in
 :func:`context_from_env`; everything else asks the resulting :class:`DistContext`.
+
+Once the process group is up, :func:`with_mesh` lays the ranks out on a ``DeviceMesh`` with
+named dimensions: ``dp`` (the replicas that train on different data) today, with room for a
+model-parallel one (``tp``) beside it. What sizes batches, samplers and metrics asks the
+context's ``dp_size`` and ``dp_rank``, never the world size: the ranks of one model-parallel
+group see the same data, and only the first of them counts its samples.
 """
 
 from __future__ import annotations
@@ -11,13 +17,19 @@ import random
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from ddpexp.runtime.heartbeat import COLLECTIVE_MARGIN_S, ENV_SLOTS
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+# The mesh's dimensions, outermost first: data parallel, then model parallel.
+DP, TP = "dp", "tp"
 
 
 @dataclass(frozen=True)
@@ -30,6 +42,27 @@ class DistContext:
     local_world_size: int = 1
     device: torch.device = torch.device("cpu")
     restart: int = 0
+    # The ranks laid out by parallelism (with_mesh); None in a process without a group.
+    mesh: DeviceMesh | None = None
+
+    @property
+    def dp_size(self) -> int:
+        """How many replicas train on different data: the shards each split is cut into."""
+        return self.mesh[DP].size() if self.mesh is not None else self.world_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's replica: which shard of each split it reads."""
+        return self.mesh[DP].get_local_rank() if self.mesh is not None else self.rank
+
+    @property
+    def counts_samples(self) -> bool:
+        """Whether this rank's samples count in sums over the world (metrics, losses): the
+        first rank of each model-parallel group; every rank while there is none."""
+        mesh = self.mesh
+        if mesh is None or TP not in (mesh.mesh_dim_names or ()):
+            return True
+        return mesh[TP].get_local_rank() == 0
 
     @property
     def is_main(self) -> bool:
@@ -94,6 +127,25 @@ def init_process_group(ctx: DistContext, timeout_s: float, force: bool = False,
         kwargs["init_method"] = "env://"
     dist.init_process_group(backend, rank=ctx.rank, world_size=ctx.world_size,
                             timeout=timeout, **kwargs)
+
+
+def with_mesh(ctx: DistContext, tp: int = 1) -> DistContext:
+    """``ctx`` with its ranks on a ``DeviceMesh``: one ``dp`` dimension of ``world / tp``
+    replicas, and a ``tp`` dimension inside it where ``tp > 1``. A process without a group
+    (one worker, not forced) gets none. A 1-D mesh over the whole world is the default group
+    itself: no new group is made."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return ctx
+    from dataclasses import replace
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if tp < 1 or ctx.world_size % tp:
+        raise ValueError(f"a tensor-parallel degree of {tp} does not divide the world size "
+                         f"{ctx.world_size}")
+    shape, names = ((ctx.world_size,), (DP,)) if tp == 1 else \
+        ((ctx.world_size // tp, tp), (DP, TP))
+    return replace(ctx, mesh=init_device_mesh(ctx.device.type, shape, mesh_dim_names=names))
 
 
 def _env_store(ctx: DistContext, timeout: timedelta) -> dist.Store:

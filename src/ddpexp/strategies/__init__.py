@@ -37,7 +37,6 @@ __getattr__, __dir__ = lazy_attributes(__name__, {
     "DDP": "ddpexp.strategies.ddp",
     "FSDP": "ddpexp.strategies.fsdp",
     "release_freed_memory": "ddpexp.strategies.fsdp",
-    "sharded_shapes": "ddpexp.strategies.fsdp",
 })
 
 

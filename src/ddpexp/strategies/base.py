@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpexp.checkpoint import io as ckpt_io
+from ddpexp.checkpoint import files as ckpt_files
+from ddpexp.checkpoint import sharded as ckpt_sharded
 from ddpexp.config.schema import TrainerConfig
 from ddpexp.runtime.dist import DistContext
 from ddpexp.strategies.blocks import checkpoint_activations, find_blocks
@@ -63,18 +64,19 @@ class Strategy(ABC):
     @property
     def dp_rank(self) -> int:
         """This rank's place among the replicas that train on different data (its shard of
-        each split)."""
-        return self.ctx.rank
+        each split): the context's data-parallel rank."""
+        return self.ctx.dp_rank
 
     @property
     def dp_size(self) -> int:
-        """How many replicas train on different data (the shards each split is cut into)."""
-        return self.ctx.world_size
+        """How many replicas train on different data (the shards each split is cut into): the
+        context's data-parallel size."""
+        return self.ctx.dp_size
 
     def checkpoint_activations(self, module: nn.Module) -> None:
         """``trainer.activation_checkpointing``: each block recomputed in backward."""
         if self.t.activation_checkpointing:
-            n = checkpoint_activations(module, find_blocks(module, self.t.fsdp.wrap))
+            n = checkpoint_activations(module, find_blocks(module, self.t.blocks))
             if self.ctx.is_main:
                 log.info("activation checkpointing: %d block(s) of %s recomputed in backward",
                          n, type(module).__name__)
@@ -124,13 +126,13 @@ class Strategy(ABC):
         as ``last`` and one-file ``copies`` of it (best.pt, top-k). Every rank calls it."""
         if state is None:
             return
-        ckpt_io.save_atomic(state, last)
+        ckpt_files.save_atomic(state, last)
         for path in copies:
-            ckpt_io.copy_atomic(last, path)
+            ckpt_files.copy_atomic(last, path)
 
     def start_save(self, state: dict | None, last: Path, copies: Sequence[Path] = (),
                    before_write: Callable[[], None] | None = None,
-                   staging: ckpt_io.HostStaging | None = None) -> Callable[[], None]:
+                   staging: ckpt_sharded.HostStaging | None = None) -> Callable[[], None]:
         """Where :attr:`staged_save`: begin :meth:`save` in the loop's thread, every rank at
         the same point (copying the state to host memory and running what collectives stay
         in the loop), and return what completes it in a background thread."""
@@ -142,7 +144,7 @@ class Strategy(ABC):
 
     def read_sharded(self, module: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> dict:
         """The sharded checkpoint at ``path``, whole tensors (every rank reads it)."""
-        return ckpt_io.load_sharded(path, keys=ckpt_io.SHARDED_KEYS)
+        return ckpt_sharded.load_sharded(path, keys=ckpt_sharded.SHARDED_KEYS)
 
     def from_file(self, module: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> dict:
         """A checkpoint file's dict in this strategy's form (whole tensors, as it is here)."""

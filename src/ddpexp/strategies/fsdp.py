@@ -13,11 +13,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpexp.checkpoint import io as ckpt_io
+from ddpexp.checkpoint import files as ckpt_files
+from ddpexp.checkpoint import sharded as ckpt_sharded
 from ddpexp.checkpoint.background import snapshot
 from ddpexp.config.schema import TrainerConfig
 from ddpexp.errors import ConfigError
-from ddpexp.runtime.dist import DistContext
+from ddpexp.runtime.dist import DP, DistContext
 from ddpexp.strategies.base import _optimizer_by_name, _whole
 from ddpexp.strategies.blocks import find_blocks
 from ddpexp.strategies.ddp import DDP
@@ -57,18 +58,20 @@ class FSDP(DDP):
         release_freed_memory()
 
     def checkpoint_activations(self, module: nn.Module) -> None:
-        self.blocks = find_blocks(module, self.t.fsdp.wrap)
+        self.blocks = find_blocks(module, self.t.blocks)
         super().checkpoint_activations(module)
 
     def wrap(self, module: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-        f = self.t.fsdp
+        f = self.t.fsdp  # this strategy's own settings (trainer.fsdp.*)
         if not self.blocks:
-            self.blocks = find_blocks(module, f.wrap)
+            self.blocks = find_blocks(module, self.t.blocks)
         tied, kind = _tied_names(module), type(module).__name__
-        mesh = init_device_mesh(self.ctx.device.type, (self.ctx.world_size,))
+        # FSDP shards over the data-parallel dimension of the run's mesh.
+        mesh = self.ctx.mesh[DP] if self.ctx.mesh is not None else \
+            init_device_mesh(self.ctx.device.type, (self.ctx.world_size,))
         kw: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": f.reshard_after_forward}
         if str(self.t.precision) == "bf16":
             # bf16 compute and all-gathers, fp32 gradient reduction and fp32 master weights.
@@ -142,19 +145,19 @@ class FSDP(DDP):
 
     def save(self, state: dict | None, last: Path, copies: Sequence[Path] = ()) -> None:
         assert state is not None  # every rank gathers its shards
-        tensors = {k: state.pop(k) for k in ckpt_io.SHARDED_KEYS if k in state}
-        ckpt_io.save_sharded(tensors, state if self.ctx.is_main else None, last, self.ctx.is_main)
+        tensors = {k: state.pop(k) for k in ckpt_sharded.SHARDED_KEYS if k in state}
+        ckpt_sharded.save_sharded(tensors, state if self.ctx.is_main else None, last, self.ctx.is_main)
         if copies:
             whole = self._gather(tensors["model"])
             if whole is not None:
                 single = {**state, "model": whole}
-                ckpt_io.save_atomic(single, copies[0])
+                ckpt_files.save_atomic(single, copies[0])
                 for path in copies[1:]:
-                    ckpt_io.copy_atomic(copies[0], path)
+                    ckpt_files.copy_atomic(copies[0], path)
 
     def start_save(self, state: dict | None, last: Path, copies: Sequence[Path] = (),
                    before_write: Callable[[], None] | None = None,
-                   staging: ckpt_io.HostStaging | None = None) -> Callable[[], None]:
+                   staging: ckpt_sharded.HostStaging | None = None) -> Callable[[], None]:
         """:meth:`save` in the background: this rank's shards copied to host memory and
         written by ``torch.distributed.checkpoint.async_save`` over a gloo group of the
         writers' own (created at the first save, every rank at the same point), so that its
@@ -163,14 +166,14 @@ class FSDP(DDP):
         the default group); rank 0 writes them once the shards are in place. ``staging``:
         the host buffers of the last save, which the shards are copied into where they
         fit. Returns what
-        completes the save (:func:`ddpexp.checkpoint.io.start_sharded`), for the writer's
+        completes the save (:func:`ddpexp.checkpoint.sharded.start_sharded`), for the writer's
         thread."""
         assert state is not None  # every rank gathers its shards
         if self._save_group is None:
             self._save_group = dist.new_group(backend="gloo")
-        tensors = {k: state.pop(k) for k in ckpt_io.SHARDED_KEYS if k in state}
+        tensors = {k: state.pop(k) for k in ckpt_sharded.SHARDED_KEYS if k in state}
         meta = snapshot(state) if self.ctx.is_main else None  # the rest: small, copied here
-        complete = ckpt_io.start_sharded(tensors, meta, last, self.ctx.is_main,
+        complete = ckpt_sharded.start_sharded(tensors, meta, last, self.ctx.is_main,
                                          self._save_group, before_write, staging)
         whole = self._gather(tensors["model"]) if copies else None  # fresh CPU copies
         single = {**meta, "model": whole} if whole is not None and meta is not None else None
@@ -178,9 +181,9 @@ class FSDP(DDP):
         def finish() -> None:
             complete()
             if single is not None:
-                ckpt_io.save_atomic(single, copies[0])
+                ckpt_files.save_atomic(single, copies[0])
                 for path in copies[1:]:
-                    ckpt_io.copy_atomic(copies[0], path)
+                    ckpt_files.copy_atomic(copies[0], path)
 
         return finish
 
@@ -192,12 +195,12 @@ class FSDP(DDP):
 
     def read_sharded(self, module: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> dict:
         # Read into this run's own shards: the checkpoint is resharded to this world size.
-        stored = sharded_shapes(path)
+        stored = ckpt_sharded.sharded_shapes(path)
         template: dict[str, Any] = {
             key: {k: v.detach().clone() for k, v in module.state_dict().items()}
             for key in ("model", "raw_model") if key in stored}
         template["optimizer"] = self.optimizer_state(module, optimizer)
-        return ckpt_io.load_sharded(path, template=template)
+        return ckpt_sharded.load_sharded(path, template=template)
 
     def from_file(self, module: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> dict:
         # Every rank read the whole file: each keeps its own shards of it.
@@ -265,19 +268,6 @@ def release_freed_memory(threshold: int = 1 << 20) -> bool:
         return bool(libc and libc.mallopt(_M_MMAP_THRESHOLD, int(threshold)))
     except (OSError, AttributeError):
         return False
-
-
-def sharded_shapes(path: Path) -> dict[str, dict[str, torch.Size]]:
-    """The tensors a sharded checkpoint holds, by entry: {"model": {name: global shape}}."""
-    import torch.distributed.checkpoint as dcp
-
-    out: dict[str, dict[str, torch.Size]] = {}
-    for fqn, meta in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items():
-        entry, _, name = fqn.partition(".")
-        size = getattr(meta, "size", None)  # tensors have one; bytes entries do not
-        if size is not None:
-            out.setdefault(entry, {})[name] = size
-    return out
 
 
 def _shard_like(value: torch.Tensor, live: torch.Tensor) -> torch.Tensor:

@@ -27,12 +27,25 @@ from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from hydra.errors import CompactHydraException
 from omegaconf import DictConfig
 
-from ddpexp.config.cli import SWEEP_COMMAND_ENV, sweep_command
+from ddpexp.config.commands import SWEEP_COMMAND_ENV, sweep_command
 from ddpexp.record import JOB_STARTED_ENV
 from ddpexp.runtime.jobtag import JOB_TAG_ENV
 
 if TYPE_CHECKING:
-    from ddpexp.sweep.settings import HydraSetup
+    from hydra.types import HydraContext, TaskFunction
+
+
+@dataclass
+class HydraSetup:
+    """What Hydra hands a launcher's ``setup()``, and the outcomes of every ``launch()`` call
+    of the sweep (some sweepers launch in batches) by job subdir, so that a job that left no
+    ``metrics.json`` still gets its row and cause in the summary."""
+
+    config: DictConfig
+    hydra_context: HydraContext
+    task_function: TaskFunction
+    outcomes: dict = field(default_factory=dict)
+
 
 
 class JobFailed(CompactHydraException):
@@ -44,7 +57,13 @@ class JobSkipped(CompactHydraException):
 
 
 class SweepInterrupted(CompactHydraException):
-    """SIGTERM/SIGINT stopped the sweep; the message says how to resume it."""
+    """SIGTERM/SIGINT stopped the sweep; the message says how to resume it. ``signal_name``
+    is the signal the sweep got (the user's: SIGINT for a Ctrl-C), whose number the command
+    exits with as a shell reports it (128 + signal, :func:`ddpexp.sweep.settings.exit_message`)."""
+
+    def __init__(self, message: str, signal_name: str | None = None):
+        super().__init__(message)
+        self.signal_name = signal_name
 
 
 class _Packed:

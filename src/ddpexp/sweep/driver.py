@@ -34,13 +34,14 @@ from hydra.errors import CompactHydraException
 from omegaconf import OmegaConf, open_dict
 
 from ddpexp.config import runlock
-from ddpexp.config.cli import continue_sweep
+from ddpexp.config.commands import continue_sweep
 from ddpexp.config.rundir import drop_unused_claims, shared_by
 from ddpexp.errors import RunDirBusy, RunInterrupted
 from ddpexp.record import FINISHED, read_metrics_or_empty
 from ddpexp.sweep.backend import (
     Backend,
     Ended,
+    HydraSetup,
     Job,
     JobFailed,
     JobSkipped,
@@ -48,7 +49,7 @@ from ddpexp.sweep.backend import (
     SweepInterrupted,
 )
 from ddpexp.sweep.job import job_workers
-from ddpexp.sweep.settings import HydraSetup, Sweep
+from ddpexp.sweep.settings import Sweep
 from ddpexp.sweep.summary import job_error, summarize
 
 log = logging.getLogger("hydra_plugins.ddpexp_launcher")
@@ -95,8 +96,8 @@ def launch(sweep: Sweep | None, job_overrides: Sequence[Sequence[str]],
     summarize(sweep.hydra.outcomes, jobs, sweep_dir)
     if driver.stopped:
         raise SweepInterrupted(
-            f"the sweep was stopped by {driver.stopped}. To finish it, {continue_sweep(sweep_dir)}"
-        )
+            f"the sweep was stopped by {driver.stopped}. To finish it, {continue_sweep(sweep_dir)}",
+            driver.stopped)
     return [j.ret for j in jobs]  # pyright: ignore[reportReturnType]  # every job has ended: each has its JobReturn
 
 

@@ -33,9 +33,9 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from ddpexp.sweep.backend import Backend, Ended, Job, job_env, payload
+from ddpexp.sweep.backend import Backend, Ended, HydraSetup, Job, job_env, payload
 from ddpexp.sweep.forkserver import ForkedJob, ForkServer, adopt_early, discard_early
-from ddpexp.sweep.settings import HydraSetup, LocalSettings, SweepSettings
+from ddpexp.sweep.settings import LocalSettings, SweepSettings
 
 log = logging.getLogger("hydra_plugins.ddpexp_launcher")
 

@@ -2,7 +2,7 @@
 (``hydra/launcher=ray``): every sweep job a ddpexp run on a node of a Ray cluster.
 
 A job reserves its workers' CPUs (``trainer.procs``, a CPU each) and GPUs
-(``trainer.gpus``) on a node, as Ray counts them, in :class:`Unit` s: a CPU (with a GPU) of
+(``trainer.gpus``) on a node, as Ray counts them, in :class:`~ddpexp.sweep.ray_cluster.Unit` s: a CPU (with a GPU) of
 one node held by a one-bundle placement group pinned to that node by its node-id label. A
 job with ``trainer.nodes=N`` holds such units on N different nodes, joined as an env://
 world whose address is the first node. The units of a job that ended stay the sweep's for
@@ -26,7 +26,7 @@ are the driver's (:mod:`ddpexp.sweep.driver`).
 
 ``hydra.launcher.address`` unset starts a Ray of this machine for the sweep (2 CPUs' worth)
 and stops it after; set, it is a running cluster's address (``auto``, ``host:port``,
-``ray://host:port``), refused within :data:`CONNECT_TIMEOUT_S` when nothing answers there.
+``ray://host:port``), refused within :data:`~ddpexp.sweep.ray_cluster.CONNECT_TIMEOUT_S` when nothing answers there.
 """
 
 from __future__ import annotations
@@ -35,25 +35,33 @@ import logging
 import os
 import pickle
 import signal
-import socket
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import OmegaConf, open_dict
 
 from ddpexp.errors import ConfigError
-from ddpexp.sweep.backend import Backend, Ended, Job, job_env, payload
-from ddpexp.sweep.settings import HydraSetup, RaySettings
+from ddpexp.sweep.backend import Backend, Ended, HydraSetup, Job, job_env, payload
+from ddpexp.sweep.ray_cluster import (
+    Need,
+    Node,
+    Placed,
+    Unit,
+    amount,
+    fits,
+    need_of,
+    nodes_of,
+    probe,
+    remove_group,
+    too_large,
+    world_ranks,
+)
+from ddpexp.sweep.settings import RaySettings
 
 log = logging.getLogger("hydra_plugins.ddpexp_launcher")
 
-# How long an address may take to answer before the sweep is refused, and how long a
-# refused connection is tried again (a head that is starting opens its port within seconds).
-CONNECT_TIMEOUT_S = 30.0
-REFUSED_RETRY_S = 5.0
 # How long start() waits for new units that the sweep's own count says fit (Ray takes some
 # milliseconds to reserve them); those not ready by then are given back for a later try.
 PLACE_WAIT_S = 5.0
@@ -84,147 +92,7 @@ AGENT_CONCURRENCY = 64
 CLOSE_S = 5.0
 
 
-# ------------------------------------------------------------------------------ sizes
-@dataclass(frozen=True)
-class Need:
-    """What a job reserves: ``nodes`` bundles of ``cpus`` CPUs and ``gpus`` GPUs, each on a
-    node of its own."""
-
-    cpus: int
-    gpus: int = 0
-    nodes: int = 1
-
-    def units(self) -> tuple[int, int]:
-        """The units it holds on each of its nodes: ``(with a GPU, CPU only)``."""
-        return self.gpus, self.cpus - self.gpus
-
-    def describe(self) -> str:
-        one = _amount(self.cpus, self.gpus)
-        return one + " on one node" if self.nodes == 1 else f"{one} on each of {self.nodes} nodes"
-
-
-@dataclass
-class Node:
-    """A node of the cluster: its id, address and size, and what this sweep's jobs hold."""
-
-    id: str
-    ip: str
-    cpus: float
-    gpus: float = 0.0
-    used_cpus: float = 0.0
-    used_gpus: float = 0.0
-
-    def fits(self, need: Need, free: bool = True) -> bool:
-        cpus = self.cpus - (self.used_cpus if free else 0)
-        gpus = self.gpus - (self.used_gpus if free else 0)
-        return cpus >= need.cpus and gpus >= need.gpus
-
-
-def _amount(cpus: float, gpus: float) -> str:
-    text = f"{cpus:g} CPU{'s' if cpus != 1 else ''}"
-    return text + (f" and {gpus:g} GPU{'s' if gpus != 1 else ''}" if gpus else "")
-
-
-def need_of(job: Job) -> Need:
-    """The job's reservation, from its config (workers per node, GPUs per node, nodes)."""
-    nodes = int(OmegaConf.select(job.config, "trainer.nodes", default=1) or 1) if job.config else 1
-    return Need(max(1, job.workers, job.gpus), job.gpus, max(1, nodes))
-
-
-def fits(need: Need, nodes: Sequence[Node], free: bool = True) -> bool:
-    """Whether ``need`` fits on ``nodes`` (as they are now, or, ``free=False``, empty)."""
-    return sum(n.fits(need, free) for n in nodes) >= need.nodes
-
-
-def too_large(need: Need, nodes: Sequence[Node]) -> str | None:
-    """Why no node of the cluster (or not enough of them) could ever hold a job of ``need``,
-    naming the nodes' sizes; None when it fits the empty cluster."""
-    if fits(need, nodes, free=False):
-        return None
-    sizes = ", ".join(f"{n.ip} {_amount(n.cpus, n.gpus)}" for n in nodes) or "none"
-    return (f"it asks for {need.describe()}, more than the Ray cluster has (its nodes: "
-            f"{sizes}): ask for fewer trainer.procs or trainer.gpus (or trainer.nodes), or add "
-            "nodes that large")
-
-
-def nodes_of(listing: Sequence[dict[str, Any]]) -> list[Node]:
-    """The alive nodes of ``ray.nodes()``, with the CPUs and GPUs each has."""
-    out = []
-    for entry in listing:
-        if not entry.get("Alive"):
-            continue
-        res = entry.get("Resources") or {}
-        out.append(Node(str(entry["NodeID"]), str(entry.get("NodeManagerAddress", "?")),
-                        float(res.get("CPU", 0)), float(res.get("GPU", 0))))
-    return out
-
-
-def probe(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
-    """Refuse an address where nothing listens, within ``timeout`` seconds, with one
-    message naming it. ``auto`` is left to Ray (it looks for a cluster of this machine)."""
-    if address == "auto":
-        return
-    hostport = address.split("://", 1)[-1].rstrip("/")
-    host, _, port = hostport.rpartition(":")
-    if not host or not port.isdigit():
-        raise ConfigError(f"hydra.launcher.address={address} is not a Ray address: use auto, "
-                          "HOST:PORT (the head's GCS port, 6379 by default) or ray://HOST:PORT "
-                          "(Ray Client, 10001)")
-    began = time.monotonic()
-    deadline = began + timeout
-    while True:
-        try:
-            with socket.create_connection((host, int(port)), timeout=min(5.0, timeout)):
-                return
-        except OSError as exc:
-            # A refused connection is retried only as long as a head takes to open its
-            # port; an address that does not answer at all, up to the whole bound.
-            refused = isinstance(exc, ConnectionRefusedError)
-            if (time.monotonic() >= deadline - 1.0
-                    or (refused and time.monotonic() - began >= REFUSED_RETRY_S)):
-                waited = time.monotonic() - began
-                raise ConfigError(
-                    f"hydra.launcher.address={address}: no Ray cluster answers there "
-                    f"({exc.strerror or exc}, for {waited:.0f} s). Start one (ray start --head) "
-                    "or give the address of its head (ray status prints it)") from None
-            time.sleep(1.0)
-
-
 # ------------------------------------------------------------------------------ the backend
-@dataclass(eq=False)
-class Unit:
-    """A CPU of a node (and a GPU of it, ``gpu``) that the sweep holds: a placement group of
-    one bundle, pinned to the node."""
-
-    node: str
-    gpu: bool
-    pg: Any
-    # The GPU Ray gave the bundle, once asked; when the unit was last given back by a job.
-    gpu_id: str | None = None
-    idle_since: float = 0.0
-
-
-@dataclass
-class Placed:
-    """The Ray backend's handle on a job (``Job.handle``)."""
-
-    need: Need
-    # Its units by node of the job (rank 0's first), once reserved; their nodes' agents and
-    # the agents' run() refs, once launched.
-    units: list[list[Unit]] = field(default_factory=list)
-    agents: list[Any] = field(default_factory=list)
-    runs: list[Any] = field(default_factory=list)
-    # The job's name with its agents (its index and attempt).
-    key: str = ""
-    attempt: int = 0
-    # To be placed again after a node died (retries): not yet launched.
-    replacing: bool = False
-
-    @property
-    def nodes(self) -> list[str]:
-        return [units[0].node for units in self.units]
-
-
 class RayBackend(Backend):
     """Jobs in Ray placement groups, run by each node's agent: :meth:`start` reserves a
     job's bundles and has the agents of their nodes start its processes, :meth:`wait` takes
@@ -272,7 +140,7 @@ class RayBackend(Backend):
         self._agent_class = ray.remote(NodeAgent)
         self._refresh()
         log.info("Ray cluster %s: %d node(s): %s", self.address or "of this machine",
-                 len(self.nodes), "; ".join(f"{n.ip} (node {n.id[:8]}) {_amount(n.cpus, n.gpus)}"
+                 len(self.nodes), "; ".join(f"{n.ip} (node {n.id[:8]}) {amount(n.cpus, n.gpus)}"
                                            for n in self.nodes))
         return self
 
@@ -327,7 +195,7 @@ class RayBackend(Backend):
                 if isinstance(job.handle, Placed):
                     self._release(job.handle, kill=True)
             for unit in self.idle:
-                _remove(unit.pg)
+                remove_group(unit.pg)
             self.idle.clear()
             closing = [agent.close.remote() for agent in self.agents.values()]
             ray.wait(closing, num_returns=len(closing), timeout=CLOSE_S)
@@ -505,7 +373,7 @@ class RayBackend(Backend):
     def _give_back(self, units: Sequence[Unit]) -> None:
         """Hand ``units`` back to the cluster."""
         for unit in units:
-            _remove(unit.pg)
+            remove_group(unit.pg)
         gone = set(map(id, units))
         self.idle = [u for u in self.idle if id(u) not in gone]
 
@@ -550,7 +418,7 @@ class RayBackend(Backend):
         placed.runs = [agent.run.remote(placed.key, ref, env, ranks[i], gpu_ids[i])
                        for i, agent in enumerate(placed.agents)]
         again = f", attempt {placed.attempt + 1}" if placed.attempt else ""
-        log.info("\t%s  [Ray: %s on %s%s]", job.label, _amount(need.cpus, need.gpus),
+        log.info("\t%s  [Ray: %s on %s%s]", job.label, amount(need.cpus, need.gpus),
                  ", ".join(self._ip(n) for n in placed.nodes), again)
 
     def _hold(self, placed: Placed, sign: int) -> None:
@@ -701,32 +569,11 @@ class RayBackend(Backend):
                 pass
 
 
-def world_ranks(need: Need, addr: str, port: int) -> list[list[dict[str, str]]]:
-    """The env:// variables of every rank of a job over several nodes, by node: node i's
-    ranks are ``i * cpus ... i * cpus + cpus - 1`` (one per worker), rank 0 on the first."""
-    per_node = max(1, need.gpus or need.cpus)
-    size = per_node * need.nodes
-    return [[{"WORLD_SIZE": str(size), "RANK": str(node * per_node + local),
-              "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(per_node),
-              "NODE_RANK": str(node), "GROUP_RANK": str(node),
-              "MASTER_ADDR": addr, "MASTER_PORT": str(port)} for local in range(per_node)]
-            for node in range(need.nodes)]
-
-
 def _gpu_ids() -> list[str]:
     """The GPUs Ray gave the task this runs as (a unit's, in its placement group)."""
     import ray
 
     return [str(i) for i in ray.get_gpu_ids()]
-
-
-def _remove(pg: Any) -> None:
-    from ray.util import remove_placement_group
-
-    try:
-        remove_placement_group(pg)
-    except Exception:
-        pass
 
 
 def _first_line(exc: BaseException) -> str:

@@ -35,7 +35,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.launcher import Launcher
 from omegaconf import DictConfig, OmegaConf
 
-from ddpexp.config.cli import continue_sweep
+from ddpexp.config.commands import continue_sweep
 from ddpexp.config.monitor import resolve_monitor
 from ddpexp.config.schema import MonitorMode
 from ddpexp.errors import ConfigError
@@ -211,7 +211,7 @@ class _Search:
         if driver.stopped:
             raise SweepInterrupted(
                 f"the search was stopped by {driver.stopped}. To continue it, "
-                f"{continue_sweep(self.sweep_dir)}")
+                f"{continue_sweep(self.sweep_dir)}", driver.stopped)
         if self.failed and self.fail_fast:
             raise SearchStopped("the search stopped at the first failed trial "
                                 "(hydra.launcher.fail_fast=true); see the failures above")

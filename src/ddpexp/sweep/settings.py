@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from ddpexp.errors import ConfigError, DdpexpError
+from ddpexp.sweep.backend import HydraSetup, SweepInterrupted
 
 if TYPE_CHECKING:
     from hydra.types import HydraContext, TaskFunction
@@ -78,18 +81,6 @@ S = TypeVar("S", bound=SweepSettings)
 
 
 @dataclass
-class HydraSetup:
-    """What Hydra hands a launcher's ``setup()``, and the outcomes of every ``launch()`` call
-    of the sweep (some sweepers launch in batches) by job subdir, so that a job that left no
-    ``metrics.json`` still gets its row and cause in the summary."""
-
-    config: DictConfig
-    hydra_context: HydraContext
-    task_function: TaskFunction
-    outcomes: dict = field(default_factory=dict)
-
-
-@dataclass
 class Sweep:
     """One launcher's sweep as the driver and the ``optuna_async`` search see it: its
     settings, Hydra's set-up, the launcher's name for the log, and how to make its backend
@@ -125,10 +116,18 @@ class SweepLauncher(Protocol):
 def exit_message() -> Iterator[None]:
     """ddpexp's own error, raised while a launcher or sweeper runs the sweep, ends the command
     with its message alone and exit status 1, as a run's error does: raised on, Hydra would
-    print its ``HYDRA_FULL_ERROR`` trailer after it. ``HYDRA_FULL_ERROR=1`` raises it on."""
+    print its ``HYDRA_FULL_ERROR`` trailer after it. A sweep stopped by a signal ends the
+    same way with 128 + the signal's number (130 for a Ctrl-C), as a shell reports a
+    command that a signal ended. ``HYDRA_FULL_ERROR=1`` raises either on."""
     try:
         yield
-    except DdpexpError as exc:
+    except (DdpexpError, SweepInterrupted) as exc:
         if os.environ.get("HYDRA_FULL_ERROR", "").lower() not in ("", "0", "false", "no"):
             raise
+        name = getattr(exc, "signal_name", None)
+        number = getattr(signal, str(name), None) if name else None
+        if isinstance(exc, SweepInterrupted) and number is not None:
+            sys.stdout.flush()
+            print(str(exc), file=sys.stderr, flush=True)
+            raise SystemExit(128 + int(number)) from None
         raise SystemExit(str(exc)) from None

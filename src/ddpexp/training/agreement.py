@@ -26,8 +26,12 @@ STOP_STATUSES = ("pruned", "early_stopped", "stopped")
 class Agreement:
     """This rank's side of the decisions, and what all ranks agreed on so far."""
 
-    def __init__(self, rank: int, world_size: int, device: torch.device, divergence: Divergence):
+    def __init__(self, rank: int, world_size: int, device: torch.device, divergence: Divergence,
+                 counts: bool = True):
         self.rank, self.world_size, self.device = rank, world_size, device
+        # Whether this rank's sums count (DistContext.counts_samples): the other ranks of a
+        # model-parallel group hold the same samples and add zeros, so each counts once.
+        self.counts = counts
         self.divergence = divergence
         self.signal = StopRequested()  # the stop signals this process received
         self.interrupted = False  # a stop signal that all ranks agreed on
@@ -51,8 +55,11 @@ class Agreement:
         # Sums exist only once the names are fixed.
         loss = pending[cast(list, meter.names).index("loss")] if meter.sums is not None else 0.0
         asked = [float(self.requested is not None and self.requested[0] == s) for s in STOP_STATUSES]
+        counted = (*values, nonfinite, loss, meter.seen)
         parts = [torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(-1)
-                 for v in (*values, nonfinite, loss, meter.seen, float(bool(self.signal)), *asked)]
+                 for v in (*counted, float(bool(self.signal)), *asked)]
+        if not self.counts:
+            parts[:len(counted)] = [torch.zeros_like(p) for p in parts[:len(counted)]]
         stats = torch.cat(parts)
         if self.world_size > 1:
             dist.all_reduce(stats)

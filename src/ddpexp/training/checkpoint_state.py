@@ -27,11 +27,12 @@ Schema of a checkpoint (format 3; ``torch.load(weights_only=True)`` reads every 
     ranks        one entry per rank: {"rng": generator states (torch, cuda, numpy, python),
                  "train_accum": {"names", "sums", "seen"} not yet logged}
     world_size   the world size that wrote it (``ranks`` has one entry per rank)
-    global_batch samples per micro-batch over all ranks (data.batch_size x world_size), so
-                 that ``batch`` converts to another world size or batch size
+    global_batch samples per micro-batch over all replicas (data.batch_size x the
+                 data-parallel size, which is the world size without model parallelism),
+                 so that ``batch`` converts to another world size or batch size
     config       the resolved config of the run, plain Python
 
-Under ``strategy=fsdp`` ``last.pt`` is a sharded directory (:mod:`ddpexp.checkpoint.io`) whose
+Under ``strategy=fsdp`` ``last.pt`` is a sharded directory (:mod:`ddpexp.checkpoint.sharded`) whose
 ``model``, ``raw_model`` and ``optimizer`` (keyed by parameter name) are each rank's shards,
 the rest in its ``meta.pt``; its best.pt and top-k files are single files with the whole
 ``model`` and every entry above but ``optimizer`` and ``raw_model``.
@@ -57,8 +58,10 @@ import torch
 import torch.distributed as dist
 
 from ddpexp.callbacks.base import Dispatch, TrainerView
+from ddpexp.checkpoint import files as ckpt_files
 from ddpexp.checkpoint import io as ckpt_io
 from ddpexp.checkpoint import portable
+from ddpexp.checkpoint import sharded as ckpt_sharded
 from ddpexp.config.resume import value_at
 from ddpexp.errors import CheckpointError, ConfigError
 from ddpexp.runtime.dist import DistContext, rng_state, set_rng_state
@@ -73,7 +76,7 @@ log = logging.getLogger("ddpexp")
 FORMAT = 3
 
 
-class Trainer(TrainerView, Protocol):
+class Checkpointable(TrainerView, Protocol):
     """What the schema reads of the trainer (:class:`ddpexp.training.trainer.Trainer`)
     beyond what callbacks see. A protocol, not the trainer's class: the trainer imports this
     module, and this one states what it needs instead of importing the trainer."""
@@ -88,7 +91,7 @@ class Trainer(TrainerView, Protocol):
     ctx: DistContext
 
 
-def gather(trainer: Trainer) -> dict | None:
+def gather(trainer: Checkpointable) -> dict | None:
     """The checkpoint of ``trainer`` as it is now. Every rank must call it (it gathers each
     rank's random state); global rank 0 gets the dict, the others ``None``; under a sharded
     strategy (fsdp) every rank gets it, ``"model"`` and ``"optimizer"`` holding its shards."""
@@ -112,24 +115,24 @@ def gather(trainer: Trainer) -> dict | None:
         **trainer.loggers.state_dict(),  # loggers, logger_queues
         "ranks": ranks,
         "world_size": trainer.world_size,
-        # Samples per micro-batch over all ranks: where "batch" is in the epoch at another
+        # Samples per micro-batch over all replicas: where "batch" is in the epoch at another
         # world size or batch size.
-        "global_batch": trainer.data.batch_size * trainer.world_size,
+        "global_batch": trainer.data.batch_size * trainer.strategy.dp_size,
         "config": trainer.config,
     }
     trainer.callbacks.fire("on_save_checkpoint", trainer, state)
     return state
 
 
-def load(trainer: Trainer, path: Path, changes: Sequence[Mapping[str, Any]] = ()) -> list[dict]:
+def load(trainer: Checkpointable, path: Path, changes: Sequence[Mapping[str, Any]] = ()) -> list[dict]:
     """Resume ``trainer`` from the checkpoint at ``path``, a file or a sharded directory
     written at any world size (every rank reads it), with the config ``changes`` that the
     run's parent let through applied (see :func:`restore`); returns those applied."""
-    sharded = ckpt_io.is_sharded(path)
+    sharded = ckpt_sharded.is_sharded(path)
     if sharded and trainer.ctx.restart > 0:
         _check_shards(trainer, path)
     if sharded:
-        from ddpexp.strategies.fsdp import sharded_shapes
+        from ddpexp.checkpoint.sharded import sharded_shapes
 
         state = None
         saved = {k: torch.empty(shape, device="meta")
@@ -151,7 +154,7 @@ def load(trainer: Trainer, path: Path, changes: Sequence[Mapping[str, Any]] = ()
     if "optimizer" not in state:
         raise ConfigError(
             f"checkpoint {path} holds the weights only (best.pt and the top-k files of an fsdp "
-            f"run); resume from its run's checkpoints/{ckpt_io.LAST}, or evaluate it with "
+            f"run); resume from its run's checkpoints/{ckpt_files.LAST}, or evaluate it with "
             "python -m ddpexp.eval")
     try:
         return restore(trainer, state, changes)
@@ -163,7 +166,7 @@ def load(trainer: Trainer, path: Path, changes: Sequence[Mapping[str, Any]] = ()
         ) from None
 
 
-def _check_shards(trainer: Trainer, path: Path) -> None:
+def _check_shards(trainer: Checkpointable, path: Path) -> None:
     """Refuse, on every rank, a sharded checkpoint whose files are not the bytes saved. The
     checkpoint a run starts from was checked before its workers started; the one a restart
     of the workers continues from was written since, and is checked here, by global rank 0
@@ -171,7 +174,7 @@ def _check_shards(trainer: Trainer, path: Path) -> None:
     problem: list[str | None] = [None]
     if trainer.is_main:
         try:
-            ckpt_io.check_digest(path)
+            ckpt_files.check_digest(path)
         except CheckpointError as exc:
             problem = [str(exc)]
     if trainer.world_size > 1:
@@ -180,7 +183,7 @@ def _check_shards(trainer: Trainer, path: Path) -> None:
         raise CheckpointError(problem[0])
 
 
-def restore(trainer: Trainer, state: dict, changes: Sequence[Mapping[str, Any]] = ()) -> list[dict]:
+def restore(trainer: Checkpointable, state: dict, changes: Sequence[Mapping[str, Any]] = ()) -> list[dict]:
     """Give ``trainer`` what :func:`gather` saved. Random states and unlogged training sums
     are restored only when the world size is the same (else the run is not bit-exact, and a
     warning says so). ``changes`` (``{"key", "from", "to"}``, :mod:`ddpexp.config.resume`)
@@ -200,7 +203,7 @@ def restore(trainer: Trainer, state: dict, changes: Sequence[Mapping[str, Any]] 
         t.scheduler.load_state_dict(_schedule_progress(state["scheduler"], fresh.schedule))
     if state.get("scaler") is not None and t.scaler.is_enabled():
         t.scaler.load_state_dict(state["scaler"])
-    batch = _batch_here(state, t.data.batch_size * t.world_size, is_main)
+    batch = _batch_here(state, t.data.batch_size * t.strategy.dp_size, is_main)
     t.state.load_state_dict({**state, "batch": batch})
     _hand_out("callbacks", dict(t.callbacks), callback_states(state), is_main)
     t.loggers.load_state_dict(state)
@@ -223,6 +226,7 @@ def _batch_here(state: dict, global_batch: int, is_main: bool) -> int:
     saved = state.get("global_batch")
     if saved is None:
         config = state.get("config") or {}
+        # (written before global_batch, by data parallelism alone: dp = world size)
         saved = (config.get("data") or {}).get("batch_size", 0) * state.get("world_size", 1)
     if not saved or saved == global_batch or not state["batch"]:
         return state["batch"]
@@ -306,14 +310,14 @@ class _Fresh:
     schedule: dict | None
 
     @classmethod
-    def of(cls, trainer: Trainer) -> _Fresh:
+    def of(cls, trainer: Checkpointable) -> _Fresh:
         groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
                   for g in trainer.optimizer.param_groups]
         schedule = trainer.scheduler.state_dict() if trainer.scheduler is not None else None
         return cls(groups, schedule)
 
 
-def _apply_changes(t: Trainer, state: dict, changes: Sequence[Mapping[str, Any]],
+def _apply_changes(t: Checkpointable, state: dict, changes: Sequence[Mapping[str, Any]],
                    fresh: _Fresh) -> list[dict]:
     """Apply ``changes`` to the restored trainer from the checkpoint's step. Optimizer
     values are written into every param group; with a schedule, its base values become the

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ddpexp.callbacks.base import TrainerView
 from ddpexp.checkpoint import io as ckpt_io
+from ddpexp.checkpoint import sharded as ckpt_sharded
 from ddpexp.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("ddpexp")
 
 
-class Trainer(TrainerView, Protocol):
+class Evaluable(TrainerView, Protocol):
     """What an evaluation reads of the trainer (:class:`ddpexp.training.trainer.Trainer`)
     beyond what callbacks see. A protocol, not the trainer's class: the trainer imports this
     module, and this one states what it needs instead of importing the trainer."""
@@ -52,7 +53,7 @@ class Trainer(TrainerView, Protocol):
         ...
 
 
-def evaluate_checkpoint(trainer: Trainer, path: Path, split: str = "test") -> dict | None:
+def evaluate_checkpoint(trainer: Evaluable, path: Path, split: str = "test") -> dict | None:
     """The task's metrics of checkpoint ``path``'s weights on ``split`` (``test`` or
     ``val``): ``{"metrics": {split/<name>: ..}, "epoch": the epoch those weights ended,
     "samples": n evaluated}``, or ``None`` where rank 0 finds no such file. The trainer's
@@ -63,7 +64,7 @@ def evaluate_checkpoint(trainer: Trainer, path: Path, split: str = "test") -> di
                           "evaluate split=val, or give the data a test split")
     epoch = torch.tensor([-1], dtype=torch.long, device=trainer.device)
     weights = None
-    if trainer.is_main and (Path(path).is_file() or ckpt_io.is_sharded(path)):
+    if trainer.is_main and (Path(path).is_file() or ckpt_sharded.is_sharded(path)):
         state = ckpt_io.load(path, map_location="cpu")
         weights = state["model"]
         # The epoch whose weights these are: the last validated one when it was saved.
@@ -80,7 +81,7 @@ def evaluate_checkpoint(trainer: Trainer, path: Path, split: str = "test") -> di
     return {"metrics": values, "epoch": int(epoch), "samples": trainer.evaluated_samples}
 
 
-def evaluate_best(trainer: Trainer) -> dict | None:
+def evaluate_best(trainer: Evaluable) -> dict | None:
     """Evaluate ``best.pt`` (the monitored best, not the last weights; where the run's
     checkpoint callback put it) on the test split and log ``test/<name>``; the trainer keeps
     its last weights. Returns what :func:`evaluate_checkpoint` does, or None without a test

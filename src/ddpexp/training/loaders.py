@@ -77,7 +77,7 @@ def eval_loader(t: TrainerConfig, ctx: DistContext, data: DataSource, dataset: D
 def _shard(ctx: DistContext, strategy: Strategy | None) -> tuple[int, int]:
     """(this rank's shard, the number of shards) each split is cut into."""
     if strategy is None:
-        return ctx.rank, ctx.world_size
+        return ctx.dp_rank, ctx.dp_size
     return strategy.dp_rank, strategy.dp_size
 
 

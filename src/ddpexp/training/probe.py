@@ -36,7 +36,7 @@ log = logging.getLogger("ddpexp")
 PROBE_SAMPLES = 64
 
 
-class Trainer(TrainerView, Protocol):
+class Probeable(TrainerView, Protocol):
     """What the checks read of the trainer (:class:`ddpexp.training.trainer.Trainer`)
     beyond what callbacks see. A protocol, not the trainer's class: the trainer imports this
     module, and this one states what it needs instead of importing the trainer."""
@@ -64,7 +64,7 @@ class Probed:
     start_loss: float
 
 
-def check_task(trainer: Trainer, layout: torch.memory_format, on_trial: bool) -> Probed:
+def check_task(trainer: Probeable, layout: torch.memory_format, on_trial: bool) -> Probed:
     """Run the task's checks and one training step's forward on a batch of training samples,
     then its validation step on two validation samples, with the model in memory format ``layout``
     (``on_trial``: channels_last that the probe batch must confirm, see
@@ -90,7 +90,7 @@ def check_task(trainer: Trainer, layout: torch.memory_format, on_trial: bool) ->
     return Probed(names, layout, start_loss)
 
 
-def check_split_metrics(trainer: Trainer, out: Mapping[str, Any], batch: Any,
+def check_split_metrics(trainer: Probeable, out: Mapping[str, Any], batch: Any,
                         returned: list[str]) -> list[str]:
     """Feed the probe batch to the task's metric objects (then reset them), so that a
     validation step and an ``update_metrics`` that do not fit fail here; return their
@@ -116,7 +116,7 @@ def check_split_metrics(trainer: Trainer, out: Mapping[str, Any], batch: Any,
     return [f"val/{n}" for n in whole.names]
 
 
-def check_batch(trainer: Trainer, layout: torch.memory_format,
+def check_batch(trainer: Probeable, layout: torch.memory_format,
                 on_trial: bool) -> tuple[torch.memory_format, float]:
     """The task's own checks and a training step's forward on a batch of the first training
     samples, before the first step; returns the memory format the model keeps and the step's
@@ -139,7 +139,7 @@ def check_batch(trainer: Trainer, layout: torch.memory_format,
     return layout, float(out["loss"])
 
 
-def _without_channels_last(trainer: Trainer, batch: Any, failure: Exception) -> Mapping[str, torch.Tensor]:
+def _without_channels_last(trainer: Probeable, batch: Any, failure: Exception) -> Mapping[str, torch.Tensor]:
     """The probe again in the model's own layout, after ``failure`` in channels_last: the
     model's own error if it fails again, else the layout falls back (null) or the run is
     refused (trainer.channels_last=true)."""
@@ -162,7 +162,7 @@ def _without_channels_last(trainer: Trainer, batch: Any, failure: Exception) -> 
     return out
 
 
-def _probe(trainer: Trainer, batch: Any, layout: torch.memory_format) -> Any:
+def _probe(trainer: Probeable, batch: Any, layout: torch.memory_format) -> Any:
     """The task's check and training step of ``batch`` (in memory format ``layout``) with the
     initial weights, off the record (no grad, eval mode, the random streams restored);
     returns the step's metrics. An error of the model keeps its cause, so that

@@ -33,11 +33,10 @@ from torch.utils.data import Dataset
 
 from ddpexp import provenance, strategies
 from ddpexp.callbacks.base import Callback, Dispatch
-from ddpexp.callbacks.checkpoint import ModelCheckpoint
 from ddpexp.callbacks.state import Best, RunState
 from ddpexp.checkpoint.background import Saver
 from ddpexp.config.resume import shown
-from ddpexp.config.schema import TrainerConfig, trainer_config
+from ddpexp.config.schema import TrainerConfig, trainer_of
 from ddpexp.config.spec import RunSpec
 from ddpexp.data.base import DataSource
 from ddpexp.errors import ConfigError
@@ -47,7 +46,6 @@ from ddpexp.record import FINISHED, read_metrics_or_empty, write_metrics
 from ddpexp.runtime.dist import DistContext, derive_seed, seed_everything
 from ddpexp.runtime.heartbeat import (
     BACKWARD,
-    CHECKPOINT,
     DATA,
     FORWARD,
     OPTIMIZER,
@@ -62,12 +60,13 @@ from ddpexp.training.agreement import STOP_STATUSES, Agreement
 from ddpexp.training.divergence import Divergence
 from ddpexp.training.meters import RunningMeans, means
 from ddpexp.training.split_metrics import SplitMetrics
+from ddpexp.training.surface import CallbackSurface
 
 log = logging.getLogger("ddpexp")
 
 
 
-class Trainer:
+class Trainer(CallbackSurface):
     """Trains ``model`` on ``task`` with the data of ``data``; :meth:`from_config` builds all
     of it from a resolved config, then :meth:`fit` runs."""
 
@@ -103,7 +102,7 @@ class Trainer:
         self.origin = origin
         self.device = ctx.device
         self.monitor = cfg.monitor or self.task.monitor
-        self.monitor_mode = cfg.monitor_mode.value if cfg.monitor_mode else self.task.monitor_mode
+        self.monitor_mode = str(cfg.monitor_mode or self.task.monitor_mode)
         self.loggers = Loggers(loggers or {} if ctx.is_main else {})
         if cfg.deterministic:
             # cuBLAS is deterministic only with a fixed workspace, chosen before its first use.
@@ -156,128 +155,7 @@ class Trainer:
         from ddpexp.training.build import build_parts
 
         return cls(ctx=ctx, run_dir=run_dir, hparams=hparams,
-                   **build_parts(config, trainer_config(config["trainer"]), ctx))
-
-    # ------------------------------------------------------------------ what callbacks use
-    # The surface that ddpexp.callbacks.base.Callback documents; the counters are read-only
-    # views of self.state, which only the trainer changes.
-    @property
-    def epoch(self) -> int:
-        """The epoch being trained (0-based)."""
-        return self.state.epoch
-
-    @property
-    def step(self) -> int:
-        """Optimizer steps done in all."""
-        return self.state.step
-
-    @property
-    def batch(self) -> int:
-        """Micro-batches of the current epoch done on this rank."""
-        return self.state.batch
-
-    @property
-    def status(self) -> str:
-        """``running``, or how the run ended (``metrics.json``'s ``status``)."""
-        return self.state.status
-
-    @property
-    def improved(self) -> bool:
-        """Whether the latest validation was the best so far (``trainer.monitor``)."""
-        return self.state.best.improved
-
-    @property
-    def checkpoint_callback(self) -> ModelCheckpoint | None:
-        """The run's :class:`~ddpexp.callbacks.ModelCheckpoint` (the one that owns the
-        checkpoints dir and ``best.pt``), or None where ``~callbacks.checkpoint`` removed it."""
-        return next((cb for _, cb in self.callbacks if isinstance(cb, ModelCheckpoint)), None)
-
-    @property
-    def rank(self) -> int:
-        return self.ctx.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.ctx.world_size
-
-    @property
-    def is_main(self) -> bool:
-        return self.ctx.is_main
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        """Send ``metrics`` to every logger at ``step`` (default: the current step; in
-        ``on_before_optimizer_step``, the step being taken, as the built-in metrics of that
-        optimizer step). Rank 0 writes; on the other ranks this is a no-op."""
-        if step is None:
-            # In on_before_optimizer_step, the step about to be counted: the one the built-in
-            # metrics of that optimizer step are logged at.
-            step = self.step + self._stepping
-        self.loggers.log_metrics(metrics, step, self.epoch)
-
-    def request_stop(self, reason: str, status: str = "stopped") -> None:
-        """Ask for the run to end (from any rank, any event). All ranks stop together at the
-        next agreement point (a log step, or the end of the epoch for a request made during
-        its validation or epoch end, after that epoch's checkpoint); the run ends with
-        ``status`` and ``reason`` in the log and ``metrics.json``."""
-        self.agreement.request(reason, status)
-
-    def agree(self) -> None:
-        """An agreement point: every rank learns of the stops and divergences any rank saw.
-        A collective: every rank must call it at the same point."""
-        self._reduce()
-
-    @property
-    def stopping(self) -> bool:
-        """Whether a stop signal reached the run (all ranks agreed on it)."""
-        return self.agreement.interrupted
-
-    @property
-    def diverged(self) -> bool:
-        """Whether the ranks agreed that training diverged (see :attr:`divergence`)."""
-        return bool(self.divergence)
-
-    def leaving_epoch(self) -> bool:
-        """Whether the loop leaves the epoch after this step (a stop, a divergence, the last
-        step)."""
-        return self.agreement.stopping or self.diverged or self._steps_done()
-
-    def weights_finite(self) -> bool:
-        """Whether every weight is finite, the same verdict on every rank (a collective
-        under fsdp: every rank must call it); where not, the run counts as diverged at this
-        step. A checkpoint is written only after it says yes."""
-        self.beat.mark(CHECKPOINT, self.step)
-        if self.strategy.all_finite(self.module):
-            return True
-        self.divergence.note(self.step, self.epoch)
-        return False
-
-    def save_checkpoint(self, last: Path, copies: Sequence[Path] = (),
-                        then: Callable[[], None] | None = None) -> None:
-        """Write the checkpoint as of now (:mod:`ddpexp.training.checkpoint_state`) to ``last`` and
-        copy it to each of ``copies`` (best.pt, a top-k file), then call ``then``: global
-        rank 0 writes, or under fsdp every rank its shards of ``last``. Every rank must call
-        it (it gathers each rank's random state). Under ``trainer.async_save`` the state is
-        copied here and written in the background (:mod:`ddpexp.checkpoint.background`);
-        the previous save is waited for first, and a failure of it raised."""
-        self.beat.mark(CHECKPOINT, self.step)
-        self.saver.wait()
-        checkpoint = schema.gather(self)
-        self.state.last_saved_step = self.step
-        copies = list(copies)
-        strategy = self.strategy
-        if strategy.staged_save:  # every rank writes (fsdp)
-            self.saver.save_staged(
-                lambda state, hook, staging: strategy.start_save(state, last, copies, hook,
-                                                                 staging),
-                lambda state: strategy.save(state, last, copies), checkpoint, then,
-                agree=strategy.agree, peers=self.ctx.local_world_size)
-        else:
-            self.saver.save(lambda state: strategy.save(state, last, copies), checkpoint, then)
-
-    def wait_for_saves(self) -> None:
-        """Return once the checkpoint being written in the background (if any) is on disk;
-        raise its failure."""
-        self.saver.wait()
+                   **build_parts(config, trainer_of(config), ctx))
 
     # ------------------------------------------------------------------ building
     def eval_loader(self, dataset: Dataset):
@@ -327,7 +205,8 @@ class Trainer:
         self._stepping = 0  # 1 while on_before_optimizer_step runs (see log_metrics)
         self._first_step_pending = True
         self.divergence = Divergence(self.t.divergence_factor)
-        self.agreement = Agreement(self.ctx.rank, self.ctx.world_size, self.device, self.divergence)
+        self.agreement = Agreement(self.ctx.rank, self.ctx.world_size, self.device, self.divergence,
+                                   counts=self.ctx.counts_samples)
 
     # ------------------------------------------------------------------ the run
     def fit(self, resume_from: Path | None = None,
@@ -403,9 +282,6 @@ class Trainer:
                 return self._interrupt()
             if self.status != "running":
                 return
-
-    def _steps_done(self) -> bool:
-        return self.t.max_steps is not None and self.step >= self.t.max_steps
 
     def _train_epoch(self) -> bool:
         """One pass over this rank's shard from ``self.batch`` on; True if it reached the end.
@@ -520,12 +396,6 @@ class Trainer:
         scripts/bench.py reads."""
         self._first_step_pending = False
         self.log_metrics({"time/first_step_s": time.time() - self.started})
-
-    # ------------------------------------------------------------------ agreement
-    def _reduce(self, *values: torch.Tensor | float) -> list[float]:
-        """Sum scalars over all ranks in one collective, which is also where the ranks agree
-        on stops and divergence (:mod:`ddpexp.training.agreement`)."""
-        return self.agreement.reduce(values, self.train_means, self.step, self.epoch)
 
     # ------------------------------------------------------------------ logging
     def _log_step(self) -> None:

@@ -12,8 +12,8 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig
 
 if TYPE_CHECKING:
-    from ddpexp.sweep.backend import Backend
-    from ddpexp.sweep.settings import HydraSetup, LocalSettings, Sweep
+    from ddpexp.sweep.backend import Backend, HydraSetup
+    from ddpexp.sweep.settings import LocalSettings, Sweep
 
 
 class DdpLauncher(Launcher):

@@ -12,8 +12,8 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig
 
 if TYPE_CHECKING:
-    from ddpexp.sweep.backend import Backend
-    from ddpexp.sweep.settings import HydraSetup, RaySettings, Sweep
+    from ddpexp.sweep.backend import Backend, HydraSetup
+    from ddpexp.sweep.settings import RaySettings, Sweep
 
 
 class RayLauncher(Launcher):
@@ -38,8 +38,14 @@ class RayLauncher(Launcher):
         from ddpexp.sweep.settings import RaySettings, Sweep, exit_message
 
         with exit_message():
-            self.sweep = Sweep.set_up(RaySettings(**self.keys), "ray", self.make_backend,
-                                      hydra_context, task_function, config)
+            settings = RaySettings(**self.keys)
+            if settings.address is not None:
+                # Before the sweep dir is made: a cluster that does not answer leaves none.
+                from ddpexp.sweep.ray_cluster import probe
+
+                probe(settings.address)
+            self.sweep = Sweep.set_up(settings, "ray", self.make_backend, hydra_context,
+                                      task_function, config)
 
     def make_backend(self, settings: "RaySettings", hydra: "HydraSetup") -> "Backend":
         """The Ray backend; Ray must be installed (the ``ray`` extra)."""
