@@ -170,3 +170,21 @@ def test_online_without_credentials_is_refused_before_anything_is_written(workdi
     assert "logger.wandb.mode=online: no W&B credentials here" in res.stderr
     assert "wandb login" in res.stderr
     assert not (workdir / "outputs").exists() or not run_dirs(workdir / "outputs")
+
+
+@pytest.mark.timeout(300)
+def test_a_job_killed_with_its_wandb_service_keeps_what_it_logged_up_to_one_flush_before(workdir):
+    # A kill of the job and of W&B's service at once (a cgroup's): the offline file holds
+    # what was logged up to logger.wandb.flush_every_s before the kill, not W&B's 15 s (in
+    # a run this short: nothing but its 7-byte header).
+    from ddpexp.loggers.wandb import stored_steps
+
+    run_dir = workdir / "outputs" / "run"
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [PLUGINS, os.environ.get("PYTHONPATH")]))}
+    res = run_cli([*LONG, HUGE, "trainer.log_every_n_steps=1", "logger=wandb",
+                   "logger.wandb.flush_every_s=0.5", "+callbacks.kill._target_=wandb_outage.KillEverything",
+                   "+callbacks.kill.step=8", "+callbacks.kill.wait_s=2", f"hydra.run.dir={run_dir}"],
+                  workdir, env=env, expect_ok=False, timeout=240)
+    assert res.returncode == -signal.SIGKILL, res.output
+    run_id = (run_dir / "wandb" / "ddpexp-run-id").read_text().strip()
+    assert stored_steps(run_dir / "wandb", run_id).get("train/loss", -1) >= 7, res.output

@@ -11,6 +11,31 @@ import subprocess
 import ddpexp
 
 
+class KillEverything(ddpexp.Callback):
+    """At step ``step``, ``wait_s`` seconds after it, SIGKILL W&B's service and the run's whole
+    process group at once, as a scheduler that kills a job's cgroup would: nothing is left to
+    close a file."""
+
+    def __init__(self, step: int, wait_s: float):
+        self.step, self.wait_s = step, wait_s
+
+    def on_train_batch_end(self, trainer):
+        if not trainer.is_main or trainer.step != self.step:
+            return
+        import time
+
+        time.sleep(self.wait_s)
+        for pid in _services():
+            os.kill(pid, signal.SIGKILL)
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+def _services() -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=,comm=", "--ppid", str(os.getpid())],
+                         capture_output=True, text=True, check=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines() if "wandb" in line]
+
+
 class KillService(ddpexp.Callback):
     def __init__(self, step: int):
         self.step = step

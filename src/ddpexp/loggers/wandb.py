@@ -208,8 +208,14 @@ class WandbLogger(Logger):
         id_file.write_text(self.run_id + "\n")
         group = self.group or sweep_group(run)
         tags = self.tags or ([f"{k}={v}"[:64] for k, v in run.hparams.items()] if group else [])
+        # W&B's service writes the offline .wandb file when a 32 KiB block fills, and by its
+        # own default flushes it every 15 s: a job killed with its service (a cgroup, a
+        # scheduler) lost every point since. At flush_every_s a kill loses at most that.
+        cadence = ({"x_transaction_log_flush_interval": self.flush_every_s}
+                   if "x_transaction_log_flush_interval" in getattr(wandb.Settings, "model_fields", {})
+                   else {})
         settings = wandb.Settings(silent=True, console="off", save_code=False,
-                                  x_save_requirements=False)
+                                  x_save_requirements=False, **cadence)
         self.run = wandb.init(
             project=self.project, entity=self.entity, id=self.run_id, resume="allow",
             dir=str(base), mode=self.mode, name=self.name or run.name, group=group,
