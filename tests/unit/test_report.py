@@ -271,7 +271,7 @@ def test_format_csv_and_json(tmp_path):
 
 def test_long_error_cut_to_one_line():
     row = report.Row(job="0", error="line\n" + "x" * 200)
-    cell = report._cell(row, "error")
+    cell = report.rows._cell(row, "error")
     assert len(cell) == 120 and cell.endswith("...") and "\n" not in cell
 
 
@@ -292,16 +292,16 @@ def test_a_group_of_one_has_no_std(tmp_path):
 
 
 def test_mean_std_cell():
-    assert report._mean_std((0.5, None, 1), 1) == "0.5000"
-    assert report._mean_std((0.5, 0.25, 2), 3) == "0.5000 ± 0.2500 (2 of 3)"
-    assert report._mean_std(None, 2) == ""
+    assert report.seeds._mean_std((0.5, None, 1), 1) == "0.5000"
+    assert report.seeds._mean_std((0.5, 0.25, 2), 3) == "0.5000 ± 0.2500 (2 of 3)"
+    assert report.seeds._mean_std(None, 2) == ""
 
 
 def test_a_run_dir_is_read_again_only_once_its_files_changed(tmp_path: Path, monkeypatch) -> None:
     run = fake_run(tmp_path / "0", ["lr=0.1"], {**metrics(0.5, 0.4), "status": "running"})
     parsed = []
-    read = report._read_run
-    monkeypatch.setattr(report, "_read_run", lambda d: parsed.append(d) or read(d))
+    read = report.rows._read_run
+    monkeypatch.setattr(report.rows, "_read_run", lambda d: parsed.append(d) or read(d))
     first = report.read_run(run)
     first.status, first.overrides[0] = "edited by a caller", "lr=9"  # callers change rows
     again = report.read_run(run, job="7")

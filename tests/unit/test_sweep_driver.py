@@ -228,9 +228,9 @@ def test_a_job_over_timeout_s_is_stopped_then_forced(app, tmp_path):
 def test_the_summary_callback_leaves_the_table_to_launchers_the_driver_runs(target, drives):
     """Under a launcher that offers a backend the driver writes the table; under any other
     (Hydra's basic, submitit) ddpexp's SweepSummary callback does."""
-    from ddpexp.sweep import summary
+    from ddpexp import report
 
-    assert summary._drives_its_sweep(target) is drives
+    assert report._drives_its_sweep(target) is drives
 
 
 def test_an_ended_jobs_return_keeps_its_configs_as_bytes_until_read():

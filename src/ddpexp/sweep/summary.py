@@ -2,8 +2,8 @@
 and ``summary.md`` (and ``summary_by_seed.*`` where the sweep varies ``seed``) in the sweep
 dir, one row per job, read from what each job left on disk (:mod:`ddpexp.report`) and completed with what the driver knows of jobs that
 left nothing (refused, killed, not run); then the jobs that failed, each with its cause.
-Under other launchers (Hydra's ``basic``, ``submitit_*``) :class:`SweepSummary`, a Hydra
-callback that ddpexp's config names in ``hydra.callbacks``, writes the same files."""
+Under other launchers (Hydra's ``basic``, ``submitit_*``) :class:`ddpexp.report.SweepSummary`,
+a Hydra callback that ddpexp's config names in ``hydra.callbacks``, writes the same files."""
 
 from __future__ import annotations
 
@@ -14,9 +14,6 @@ from typing import Any
 
 from hydra.core.utils import JobReturn
 from hydra.errors import CompactHydraException
-from hydra.experimental.callback import Callback
-from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
 
 from ddpexp import report
 from ddpexp.errors import DdpexpError
@@ -104,48 +101,3 @@ def job_error(ret: JobReturn) -> str:
     if isinstance(exc, CompactHydraException):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"
-
-
-class SweepSummary(Callback):
-    """The sweep table under launchers that know nothing of it (Hydra's ``submitit_slurm``,
-    ``submitit_local``, ``basic``); ddpexp's config names it in ``hydra.callbacks``. It is
-    refreshed as each job ends, in the job's process (so that a sweep whose last job failed,
-    which Hydra then ends with that job's error, still has its table), and written once more,
-    and printed, when the sweep ends. A launcher that runs its jobs through ddpexp's sweep
-    driver (one that offers a backend: ``ddp``) writes its own."""
-
-    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
-        if OmegaConf.select(config, "hydra.mode") == RunMode.MULTIRUN:
-            self._write(config)
-
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        rows = self._write(config)
-        if rows:
-            logging.getLogger("ddpexp").info(
-                "sweep summary (%s):\n%s", Path(config.hydra.sweep.dir) / "summary.csv",
-                report.format_rows(rows, "text").rstrip())
-
-    @staticmethod
-    def _write(config: DictConfig) -> list[report.Row]:
-        if _drives_its_sweep(OmegaConf.select(config, "hydra.launcher._target_", default=None)):
-            return []
-        sweep_dir = Path(str(config.hydra.sweep.dir))
-        rows = report.collect(sweep_dir) if sweep_dir.is_dir() else []
-        if rows:
-            report.write_summary(sweep_dir, rows)
-        return rows
-
-
-def _drives_its_sweep(target: Any) -> bool:
-    """Whether the launcher class ``target`` names runs its jobs through ddpexp's sweep driver,
-    which writes the table itself: it declares the ``sweep`` it hands the driver
-    (:class:`ddpexp.sweep.settings.SweepLauncher`). Hydra's plugin modules are light to import
-    (Hydra imports every one at start)."""
-    if not target:
-        return False
-    from hydra.utils import get_class
-
-    try:
-        return hasattr(get_class(str(target)), "sweep")
-    except Exception:  # a launcher that cannot be imported here drives nothing of ddpexp's
-        return False
