@@ -71,6 +71,7 @@ class RunMode:
 MODES: dict[str, str] = {
     "train": "ddpexp.modes.train.Train",
     "evaluate": "ddpexp.modes.evaluate.Evaluate",
+    "find_lr": "ddpexp.modes.find_lr.FindLR",
 }
 
 
