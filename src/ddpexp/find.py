@@ -21,9 +21,13 @@ from typing import Any
 from ddpexp.errors import ConfigError, DdpexpError
 
 USAGE = ("usage: python -m ddpexp.find lr [find.lr_min=1e-6 find.lr_max=1 find.steps=100 "
-         "find.smooth=0.98 find.stop_factor=4] [overrides ...]")
-KINDS = ("lr",)
-FIND_KEYS = {"lr": ("lr_min", "lr_max", "steps", "smooth", "stop_factor")}
+         "find.smooth=0.98 find.stop_factor=4] [overrides ...]\n"
+         "       python -m ddpexp.find batch [find.start=1 find.max_batch=4096 "
+         "find.trial_steps=5] [overrides ...]")
+KINDS = ("lr", "batch")
+FIND_KEYS = {"lr": ("lr_min", "lr_max", "steps", "smooth", "stop_factor"),
+             "batch": ("start", "max_batch", "trial_steps")}
+INTEGER_KEYS = ("steps", "start", "max_batch", "trial_steps")
 
 
 def split_args(kind: str, args: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
@@ -51,7 +55,9 @@ def split_args(kind: str, args: Sequence[str]) -> tuple[dict[str, Any], list[str
             parsed = OmegaConf.from_dotlist([f"v={value}"]).v
             if not isinstance(parsed, (int, float)) or isinstance(parsed, bool):
                 raise ConfigError(f"{arg}: find.{name} takes a number, not {value!r}")
-            settings[name] = int(parsed) if name == "steps" else float(parsed)
+            if name in INTEGER_KEYS and parsed != int(parsed):
+                raise ConfigError(f"{arg}: find.{name} takes an integer, not {value!r}")
+            settings[name] = int(parsed) if name in INTEGER_KEYS else float(parsed)
             continue
         if key.lstrip("+") in ("resume", "overwrite"):
             raise ConfigError(f"{arg}: a search starts from the experiment's initial weights in "
@@ -70,10 +76,11 @@ def find(kind: str, args: Sequence[str]) -> dict:
     from ddpexp.config.schema import to_plain, trainer_of
     from ddpexp.config.spec import RunSpec
     from ddpexp.launch.fanout import dispatch, plan_run
+    from ddpexp.modes.find_batch import FindBatch
     from ddpexp.modes.find_lr import FindLR
 
     settings, overrides = split_args(kind, args)
-    mode = FindLR(**settings)
+    mode = FindLR(**settings) if kind == "lr" else FindBatch(**settings)
     problem = preflight([o for o in overrides if not o.startswith("hydra.run.dir=")])
     if problem:
         raise ConfigError(problem)
@@ -95,7 +102,9 @@ def find(kind: str, args: Sequence[str]) -> dict:
     if result is None:
         raise ConfigError("the search ended without a result")
     return {**result, "run_dir": str(run_dir), "overrides": overrides,
-            "world_size": plan.world_size}
+            "world_size": plan.world_size, "kind": kind,
+            "config_lr": (config.get("optimizer") or {}).get("lr"),
+            "config_batch_size": (config.get("data") or {}).get("batch_size")}
 
 
 def multirun_command(overrides: Sequence[str], lr: float) -> str:
@@ -108,6 +117,8 @@ def multirun_command(overrides: Sequence[str], lr: float) -> str:
 
 def report(result: dict) -> str:
     """What the search found, for the terminal."""
+    if result["kind"] == "batch":
+        return report_batch(result)
     lines = [f"find lr: {len(result['lr'])} of {result['steps']} steps from "
              f"{result['lr_min']:g} to {result['lr_max']:g}"
              + (f" (stopped at step {result['stopped_at']}: the loss diverged)"
@@ -120,6 +131,26 @@ def report(result: dict) -> str:
     else:
         lines.append(f"suggested lr: {suggested:.3g}")
         lines.append("sweep around it with:\n  " + multirun_command(result["overrides"], suggested))
+    return "\n".join(lines)
+
+
+def report_batch(result: dict) -> str:
+    """What the batch search found, and the lr scaling it implies."""
+    size = result["batch_size"]
+    sizes = ", ".join(f"{t['batch_size']}{'' if t['fits'] else ' (out of memory)'}"
+                      for t in result["tried"])
+    lines = [f"find batch: tried {sizes}; {result['world_size']} worker(s); "
+             f"{result['run_dir']}/find/batch.json",
+             f"largest per-worker batch: data.batch_size={size} (limited by "
+             f"{result['limited_by']})"]
+    if result.get("knee") is not None:
+        lines.append(f"throughput grows by under 5% past data.batch_size={result['knee']}")
+    lr, base = result.get("config_lr"), result.get("config_batch_size")
+    if isinstance(lr, (int, float)) and isinstance(base, int) and base > 0:
+        ratio = size / base
+        lines.append(f"rules of thumb for the lr at data.batch_size={size} (the config has "
+                     f"optimizer.lr={lr:g} at {base}): linear optimizer.lr={lr * ratio:.3g}, "
+                     f"square root optimizer.lr={lr * ratio ** 0.5:.3g}")
     return "\n".join(lines)
 
 

@@ -70,3 +70,90 @@ def test_a_search_leaves_other_runs_as_they_were(workdir: Path, monkeypatch, cap
     assert after == before
     [searched] = (workdir / "outputs" / "find").glob("*/*")
     assert (searched / "find" / "lr.json").is_file() and not list(searched.rglob("*.pt"))
+
+
+OOM = ["model=mlp", "model._target_=oom.OutOfMemoryAbove", "+model.limit=12", "model.hidden=[16]",
+       "data=synthetic", "data.shape=[1,4,4]", "data.num_classes=3", "data.num_samples=128",
+       "data.val_samples=32", "data.batch_size=2", "~logger", "trainer.procs=2",
+       "find.max_batch=64", "find.trial_steps=2"]
+
+
+def test_find_batch_at_two_workers_agrees_below_a_rank_that_runs_out_of_memory(workdir: Path):
+    import os
+
+    plugins = str(Path(__file__).parents[1] / "plugins")
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [plugins, os.environ.get("PYTHONPATH")]))}
+    # run_cli: exit 0 within the timeout, and no process left behind.
+    res = run_cli(["batch", *OOM, "hydra.run.dir=outputs/b"], workdir, module="ddpexp.find",
+                  env=env, timeout=120)
+    record = json.loads((workdir / "outputs/b/find/batch.json").read_text())
+    assert record["batch_size"] == 12 and record["limited_by"] == "memory", record
+    assert {t["batch_size"]: t["fits"] for t in record["tried"]} == VERDICTS
+    assert all(t["samples_per_s"] > 0 for t in record["tried"] if t["fits"])
+    assert "largest per-worker batch: data.batch_size=12 (limited by memory)" in res.stdout
+    assert "linear optimizer.lr=0.3" in res.stdout and "square root optimizer.lr=0.122" in res.stdout
+
+
+VERDICTS = {1: True, 2: True, 4: True, 8: True, 16: False, 12: True, 14: False, 13: False}
+
+
+def _searches(rank: int, port: int, run_dir: str, out) -> None:
+    """One rank of a 2-worker gloo world: the batch search 20 times in a row in one process
+    group, each search's verdicts put on ``out``."""
+    import sys
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "plugins"))
+    from helpers.build import compose_config
+
+    from ddpexp.modes.find_batch import FindBatch, search
+    from ddpexp.runtime import dist as d
+    from ddpexp.training.trainer import Trainer
+
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        plain = compose_config("trainer.progress_bar=false", *OOM[:-3])
+        plain["trainer"].update(strategy="ddp", procs=2)
+        ctx = d.with_mesh(d.DistContext(rank=rank, world_size=2, local_rank=rank,
+                                        local_world_size=2))
+        trainer = Trainer.from_config(plain, ctx, Path(run_dir))
+        for _ in range(20):
+            record = search(trainer, FindBatch(max_batch=64, trial_steps=2))
+            out.put((rank, record["batch_size"],
+                     {t["batch_size"]: t["fits"] for t in record["tried"]}))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_twenty_searches_in_a_row_agree_on_every_rank_and_never_hang(tmp_path: Path):
+    import multiprocessing as mp
+    import time
+
+    from ddpexp.runtime.dist import free_port
+
+    context = mp.get_context("fork")
+    out = context.Queue()
+    port = free_port()
+    procs = [context.Process(target=_searches, args=(r, port, str(tmp_path / "run"), out))
+             for r in (0, 1)]
+    began = time.monotonic()
+    for p in procs:
+        p.start()
+    try:
+        got = [out.get(timeout=120) for _ in range(40)]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert time.monotonic() - began < 240
+    assert all(p.exitcode == 0 for p in procs)
+    for rank in (0, 1):
+        mine = [(size, verdicts) for r, size, verdicts in got if r == rank]
+        assert mine == [(12, VERDICTS)] * 20

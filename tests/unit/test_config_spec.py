@@ -86,7 +86,7 @@ def test_a_mode_is_its_module_and_one_registry_line():
     from ddpexp.config.modes import MODES, from_dict, mode_class, to_dict
     from ddpexp.modes.evaluate import Evaluate
 
-    assert set(MODES) == {"train", "evaluate", "find_lr"}
+    assert set(MODES) == {"train", "evaluate", "find_lr", "find_batch"}
     assert all(mode_class(name).name == name for name in MODES)
     assert to_dict(Evaluate(Path("/r/best.pt"))) == {"name": "evaluate",
                                                      "checkpoint": "/r/best.pt", "split": "test"}

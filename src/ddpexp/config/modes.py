@@ -72,6 +72,7 @@ MODES: dict[str, str] = {
     "train": "ddpexp.modes.train.Train",
     "evaluate": "ddpexp.modes.evaluate.Evaluate",
     "find_lr": "ddpexp.modes.find_lr.FindLR",
+    "find_batch": "ddpexp.modes.find_batch.FindBatch",
 }
 
 

@@ -51,6 +51,8 @@ class Steppable(Protocol):
     params: list
     train_loader: Any
     train_sampler: Any
+    data: Any
+    val_ds: Any
     device: torch.device
     run_dir: Path
 
