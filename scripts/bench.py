@@ -48,6 +48,7 @@ sweeper in batches of ``max_parallel`` (how a batch sweeper such as hydra-optuna
     python scripts/bench.py --cases launchers  # an 8-job sweep: ddp launcher vs Hydra's basic, joblib
     python scripts/bench.py --cases gaps       # the search's slot gaps over 8 and 32 trials
     python scripts/bench.py --cases scale      # per-job cost of 8-, 32- and 64-job sweeps
+    python scripts/bench.py --cases find       # a find lr step against a training step
 """
 
 from __future__ import annotations
@@ -689,6 +690,7 @@ def launchers_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str
 
 # ---------------------------------------------------------------------- the fsdp case
 LOGGERS = "loggers"
+FIND = "find"
 # The loggers case's variants: the default logger alone, and with a tracker beside it.
 LOGGER_VARIANTS = {"tensorboard": "logger=tensorboard",
                    "tensorboard+mlflow": "logger=[tensorboard,mlflow]",
@@ -1103,10 +1105,54 @@ def _select(cases: list[Case], only: list[str] | None) -> list[Case]:
     return cases
 
 
+def find_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str:
+    """What a ``find lr`` step costs against a training step of the same experiment: the
+    overhead case trained (its steady samples/s, as the loop case measures it, as seconds
+    per step) and searched over as many steps (the search's mean step after the first,
+    ``step_s`` of find/lr.json), alternating which goes first; medians of the paired ratios."""
+    if quick:
+        case = Case(FIND, "mlp", 32, steps=20, warmup=2, procs=1, shape=(3, 8, 8))
+    else:
+        case = Case(FIND, "mlp", 32, steps=400, warmup=10)
+    train, search = [], []
+    with tempfile.TemporaryDirectory(prefix="ddpexp-bench-") as tmp:
+        work = Path(tmp)
+        for r in range(repeats):
+            for which in (["train", "find"] if r % 2 == 0 else ["find", "train"]):
+                out = work / f"{which}-{r}"
+                if which == "train":
+                    cmd = [sys.executable, "-m", "ddpexp", *case.ddpexp_args(),
+                           f"hydra.run.dir={out}"]
+                    run_command(cmd, work, env, timeout)
+                    rate = steady_rate(_scalars(out / "tb").get("train/samples_per_s", []),
+                                       case.warmup)
+                    step = case.batch_size * case.procs / rate if rate else float("nan")
+                    train.append(step)
+                else:
+                    args = [a for a in case.ddpexp_args() if not a.startswith("trainer.max_steps")]
+                    cmd = [sys.executable, "-m", "ddpexp.find", "lr", *args,
+                           f"find.steps={case.steps}", "find.lr_max=0.05", "find.stop_factor=1e9",
+                           f"hydra.run.dir={out}"]
+                    run_command(cmd, work, env, timeout)
+                    step = json.loads((out / "find" / "lr.json").read_text())["step_s"]
+                    search.append(step)
+                print(f"[{r + 1}/{repeats}] find     {which:5s} {step * 1000:.2f} ms/step",
+                      file=sys.stderr, flush=True)
+    ratios = [s / t for s, t in zip(search, train, strict=True)]
+    return "\n".join([
+        f"find: {describe(case)}, {repeats} round(s), medians", "",
+        "| runner | ms per step | ratio (paired) |", "|---|---|---|",
+        f"| training | {statistics.median(train) * 1000:.2f} | - |",
+        f"| find lr | {statistics.median(search) * 1000:.2f} | {statistics.median(ratios):.3f} |",
+        "", f"find: a search step costs {statistics.median(ratios):.3f}x a training step "
+        f"(target <= 1.1): {'met' if statistics.median(ratios) <= 1.1 else 'missed'}"])
+
+
 # Cases that run commands of their own and print their own table: name -> the bench.
 OWN_CASES: dict[str, Callable[[bool, int, dict, float], str]] = {
     SEARCH: search_bench, FSDP: fsdp_bench, LOGGERS: loggers_bench, LAUNCHERS: launchers_bench,
     GAPS: gaps_bench, SAVE: save_bench, SCALE: scale_bench, DEFAULTS: defaults_bench,
+    FIND: find_bench,
     **{f"{SAVE}-{s}": functools.partial(save_bench, strategies=(s,)) for s in SAVE_STRATEGIES}}
 
 

@@ -27,7 +27,7 @@ from ddpexp.checkpoint import files as ckpt_files
 from ddpexp.checkpoint import io as ckpt_io
 from ddpexp.checkpoint import sharded as ckpt_sharded
 from ddpexp.config import components
-from ddpexp.config.schema import trainer_of
+from ddpexp.config.schema import for_evaluation, trainer_of
 from ddpexp.errors import CheckpointError, ConfigError, DdpexpError
 from ddpexp.modes.evaluate import Evaluate
 from ddpexp.strategies import registry
@@ -107,22 +107,7 @@ def apply_overrides(config: dict, overrides: Sequence[str]) -> tuple[dict, str]:
         except OmegaConfBaseException as exc:
             raise ConfigError(f"override {item}: {exc}") from None
         given.add(key)
-    # A built-in strategy was resolved for the training run's workers; decide it afresh
-    # for the workers asked for now (a user's own class is kept), and never restart an
-    # evaluation. The training run's cut of its validation (debug=fast's 2 batches per
-    # worker) is not what an evaluation asks for: the whole split, unless this command says
-    # otherwise.
-    strategy = OmegaConf.select(cfg, "trainer.strategy")
-    builtin = not OmegaConf.is_config(strategy) and registry.is_builtin(strategy)
-    unless_given = {
-        **({"trainer.strategy": registry.AUTO} if builtin else {}),
-        "trainer.max_restarts": 0,
-        "trainer.limit_val_batches": None,
-        **({"trainer.procs": None} if "trainer.gpus" in given else {}),
-    }
-    for key, value in unless_given.items():
-        if key not in given:
-            OmegaConf.update(cfg, key, value, force_add=True)
+    for_evaluation(cfg, given, registry.is_builtin, registry.AUTO)
     return cast(dict, OmegaConf.to_container(cfg, resolve=True)), split  # a DictConfig's: a dict
 
 

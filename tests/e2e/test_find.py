@@ -18,7 +18,7 @@ TINY = ["model=mlp", "model.hidden=[16]", "data=synthetic", "data.shape=[1,4,4]"
         "find.steps=30", "find.lr_min=1e-3", "find.lr_max=3"]
 
 
-def test_the_curve_is_the_global_loss_at_any_world_size(workdir: Path):
+def test_the_curve_is_the_global_loss_at_any_world_size_and_strategy(workdir: Path):
     one = run_cli(["lr", *TINY, "data.batch_size=32", "hydra.run.dir=outputs/one"], workdir,
                   module="ddpexp.find", timeout=180)
     two = run_cli(["lr", *TINY, "trainer.procs=2", "data.batch_size=16", "hydra.run.dir=outputs/two"],
@@ -39,6 +39,12 @@ def test_the_curve_is_the_global_loss_at_any_world_size(workdir: Path):
     assert command.startswith("python -m ddpexp -m model=mlp") and "trainer.procs=2" in command
     assert command.endswith(",".join(f"{a['suggested_lr'] * k:.2g}" for k in (1 / 3, 1, 3)))
     assert "2 worker(s)" in two.stdout
+    # FSDP's shards reduce the same gradients: the same curve again.
+    run_cli(["lr", *TINY, "trainer.procs=2", "trainer.strategy=fsdp", "data.batch_size=16",
+             "hydra.run.dir=outputs/fsdp"], workdir, module="ddpexp.find", timeout=180)
+    c = json.loads((workdir / "outputs/fsdp/find/lr.json").read_text())
+    assert all(math.isclose(x, y, rel_tol=1e-5) for x, y in zip(a["loss"], c["loss"], strict=True))
+    assert c["lr"] == a["lr"] and c["suggested_lr"] == a["suggested_lr"]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -8,7 +8,7 @@ config is composed, before anything runs. What users swap (``model``, ``data``, 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -170,6 +170,28 @@ def register_configs() -> None:
         OmegaConf.register_new_resolver("ddpexp.resume_dir", resume_dir)
     if not OmegaConf.has_resolver("ddpexp.hydra_subdir"):
         OmegaConf.register_new_resolver("ddpexp.hydra_subdir", claimed_subdir)
+
+
+def for_evaluation(cfg: DictConfig, given: set[str], is_builtin: Callable[[Any], bool],
+                   auto: str) -> None:
+    """The trainer of a training run's config (``cfg``, changed in place) made an
+    evaluation's, for each key the command did not set (``given``): a built-in strategy
+    (``is_builtin``) was resolved for the training run's workers, so it is decided afresh
+    (``auto``) for the workers asked for now, while a user's own class is kept; an evaluation
+    is never restarted; the training run's cut of its validation (debug=fast's 2 batches per
+    worker) is not what an evaluation asks for, so it takes the whole split; and ``procs``
+    follows a new ``gpus``."""
+    strategy = OmegaConf.select(cfg, "trainer.strategy")
+    builtin = not OmegaConf.is_config(strategy) and is_builtin(strategy)
+    unless_given = {
+        **({"trainer.strategy": auto} if builtin else {}),
+        "trainer.max_restarts": 0,
+        "trainer.limit_val_batches": None,
+        **({"trainer.procs": None} if "trainer.gpus" in given else {}),
+    }
+    for key, value in unless_given.items():
+        if key not in given:
+            OmegaConf.update(cfg, key, value, force_add=True)
 
 
 def trainer_of(config: Mapping[str, Any]) -> TrainerConfig:

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import logging
 import math
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -120,10 +121,13 @@ def search(trainer: Steppable, f: FindLR) -> dict[str, Any]:
     raw: list[float] = []
     smoothed: list[float] = []
     average, best, stopped = 0.0, math.inf, None
+    began = first_done = time.perf_counter()
     for i, lr in enumerate(lrs):
         for group in trainer.optimizer.param_groups:
             group["lr"] = lr
         loss = _step(trainer, [next(batches) for _ in range(accumulate)])
+        if i == 0:
+            first_done = time.perf_counter()
         if not math.isfinite(loss):
             if i == 0:
                 raise ConfigError(
@@ -140,7 +144,10 @@ def search(trainer: Steppable, f: FindLR) -> dict[str, Any]:
             stopped = i + 1
             break
     return {"lr": lrs[:len(smoothed)], "loss": smoothed, "raw_loss": raw,
-            "steps": f.steps, "stopped_at": stopped, "lr_min": f.lr_min, "lr_max": f.lr_max}
+            "steps": f.steps, "stopped_at": stopped, "lr_min": f.lr_min, "lr_max": f.lr_max,
+            "search_s": round(time.perf_counter() - began, 3),
+            # The mean step after the first (which pays for warm-up), as a loop's is timed.
+            "step_s": (time.perf_counter() - first_done) / max(1, len(smoothed) - 1)}
 
 
 def suggest(lrs: Sequence[float], losses: Sequence[float]) -> float | None:
