@@ -40,14 +40,16 @@ def _rank(rank: int, port: int, tp: int, out) -> None:
                               counts=ctx.counts_samples)
         # Both ranks of a tp group hold the same 3 samples' loss sum: it counts once.
         total, seen = agreement.reduce((torch.tensor(6.0), 3.0), RunningMeans(torch.device("cpu")), 0, 0)
-        out.put((rank, ctx.dp_size, ctx.dp_rank, ctx.counts_samples, total, seen))
+        group = ctx.dp_group  # the whole world's where there is no tp dimension
+        replicas = None if group is None else dist.get_world_size(group)
+        out.put((rank, ctx.dp_size, ctx.dp_rank, ctx.counts_samples, total, seen, replicas))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("tp,expected", [
-    (1, {0: (2, 0, True, 12.0, 6.0), 1: (2, 1, True, 12.0, 6.0)}),  # two replicas
-    (2, {0: (1, 0, True, 6.0, 3.0), 1: (1, 0, False, 6.0, 3.0)}),  # one replica, split in two
+    (1, {0: (2, 0, True, 12.0, 6.0, None), 1: (2, 1, True, 12.0, 6.0, None)}),  # two replicas
+    (2, {0: (1, 0, True, 6.0, 3.0, 1), 1: (1, 0, False, 6.0, 3.0, 1)}),  # one, split in two
 ])
 def test_two_ranks_on_a_mesh(tp, expected):
     ctx = mp.get_context("fork")

@@ -56,6 +56,15 @@ class DistContext:
         return self.mesh[DP].get_local_rank() if self.mesh is not None else self.rank
 
     @property
+    def dp_group(self) -> Any:
+        """The process group of this rank's data-parallel replicas, where it is not the whole
+        world (a mesh with a model-parallel dimension); None where it is."""
+        mesh = self.mesh
+        if mesh is None or mesh.ndim == 1:
+            return None
+        return mesh[DP].get_group()
+
+    @property
     def counts_samples(self) -> bool:
         """Whether this rank's samples count in sums over the world (metrics, losses): the
         first rank of each model-parallel group; every rank while there is none."""

@@ -99,7 +99,7 @@ def _monitored(config: Any) -> tuple:
     mode = OmegaConf.select(config, "trainer.monitor_mode", default=None)
     return resolve_monitor(str(OmegaConf.select(config, "task._target_")),
                            OmegaConf.select(config, "trainer.monitor", default=None),
-                           None if mode is None else MonitorMode(mode).value)
+                           None if mode is None else str(MonitorMode(mode)))
 
 
 def _direction(settings: SearchSettings, config: Any) -> Literal["maximize", "minimize"]:

@@ -24,7 +24,7 @@ _METHODS = ("update", "compute", "reset")
 class SplitMetrics:
     """The objects of ``task.split_metrics()`` by name, on ``device``."""
 
-    def __init__(self, task: Any, device: torch.device):
+    def __init__(self, task: Any, device: torch.device, group: Any = None):
         self.task = task
         built = task.split_metrics() or {}
         name = type(task).__name__
@@ -42,6 +42,12 @@ class SplitMetrics:
         self.metrics: dict[str, Any] = {
             k: m.to(device) if callable(getattr(m, "to", None)) else m for k, m in built.items()
         }
+        if group is not None:
+            # The ranks of one model-parallel group hold the same samples: a metric joins
+            # the states of its data-parallel replicas only (DistContext.dp_group).
+            for metric in self.metrics.values():
+                if hasattr(metric, "process_group"):
+                    metric.process_group = group
 
     def __bool__(self) -> bool:
         return bool(self.metrics)

@@ -122,7 +122,7 @@ class Trainer(CallbackSurface):
         self.rank_seed = built.rank_seed
         self._init_state()
         self._place_model(model)
-        self.split_metrics = SplitMetrics(self.task, self.device)
+        self.split_metrics = SplitMetrics(self.task, self.device, ctx.dp_group)
         # The probes run before the strategy wraps the model: a model that falls back from
         # channels_last must have its final layout before DDP lays out its gradient buckets.
         probed = probe.check_task(self, self.memory_format, self.layout_on_trial)
