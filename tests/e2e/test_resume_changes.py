@@ -153,3 +153,14 @@ def test_a_key_the_resume_names_still_changes_the_run(workdir, monkeypatch, caps
     assert read_metrics(run_dir)["resume_changes"] == [
         {"key": "optimizer.lr", "from": 0.2, "to": 0.3, "step": 4},
         {"key": "trainer.max_epochs", "from": 1, "to": 2, "step": 4}]
+
+
+def test_a_key_the_run_added_can_be_named_plainly_on_resume(workdir, monkeypatch, capsys):
+    # The run's "+note=a" is recorded; "note=a" on the resume's command line names that key
+    # as it now exists (no "+": it is there once the run's own override added it).
+    run_dir = _first_run(workdir, monkeypatch, capsys, "+note=a")
+    code, text = run_cli_here(["trainer.max_epochs=2", "note=a", f"resume={run_dir}"], workdir,
+                              monkeypatch, capsys)
+    assert code == 0, text
+    assert read_metrics(run_dir)["resume_changes"] == [
+        {"key": "trainer.max_epochs", "from": 1, "to": 2, "step": 4}]

@@ -240,12 +240,14 @@ def unknown_top_level(args: Sequence[str]) -> str | None:
         return None
     config_dir, overrides = parsed
     groups, keys = _top_level_names(config_dir)
+    added: set[str] = set()  # names an earlier +name=... added (a resume's recorded ones)
     for override, arg in overrides:
-        if override.is_add() or override.is_force_add():
-            continue
         key = override.key_or_group
         first, dot, rest = key.partition(".")
-        if first.split("/", 1)[0] in groups or first in keys:  # mygroup/sub=x: a group's own
+        if override.is_add() or override.is_force_add():
+            added.add(first)
+            continue
+        if first.split("/", 1)[0] in groups or first in keys or first in added:
             continue
         close = difflib.get_close_matches(first, [*groups, *keys], n=1)
         tilde = "~" if override.is_delete() else ""

@@ -237,9 +237,10 @@ def with_recorded_overrides(args: Sequence[str]) -> list[str]:
     or ``resume=auto`` with ``hydra.run.dir=DIR`` of a run that exists), with the overrides
     the run was last started with put before the resume's own overrides: a resume that
     names no key keeps every value of the run. A recorded override whose key (or a key
-    above it) the command line sets is left out; a deletion (``~key``) comes after the
-    recorded overrides, so that it also removes what the run added (``+key=...``). Any
-    other command line (a new run, a sweep) is returned as it is."""
+    above it) the command line sets is left out, but for a key the run added (``+key=...``)
+    that the command line sets plainly (``key=...``), which it then changes; a deletion
+    (``~key``) comes after the recorded overrides, so that it also removes what the run
+    added. Any other command line (a new run, a sweep) is returned as it is."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from ddpexp.config.commands import VALUE_FLAGS
@@ -250,6 +251,7 @@ def with_recorded_overrides(args: Sequence[str]) -> list[str]:
     parser = OverridesParser.create()
     keys: dict[str, int] = {}  # the command line's override keys, by position
     set_keys: set[str] = set()  # those it gives a value (not ~key)
+    added: set[str] = set()  # those it adds (+key, ++key)
     values: dict[str, Any] = {}
     for i, arg in enumerate(args):
         if arg.startswith("-") or (i > 0 and args[i - 1] in VALUE_FLAGS):
@@ -262,6 +264,8 @@ def with_recorded_overrides(args: Sequence[str]) -> list[str]:
         if not override.is_delete():
             set_keys.add(override.key_or_group)
             values[override.key_or_group] = override.value()
+        if override.is_add() or override.is_force_add():
+            added.add(override.key_or_group)
     run_dir = _resumed_run_dir(values)
     if run_dir is None or not keys:
         return args
@@ -272,10 +276,14 @@ def with_recorded_overrides(args: Sequence[str]) -> list[str]:
     kept = []
     for arg in recorded:
         try:
-            key = parser.parse_override(arg).key_or_group
+            override = parser.parse_override(arg)
         except Exception:
             continue  # one this version cannot parse: the resume's refusal names the key
-        if not any(key == k or key.startswith(k + ".") for k in set_keys):
+        key = override.key_or_group
+        # The run's own "+key=1" stays where the command line says "key=2": the key exists
+        # only once it is added, and the later override then changes it.
+        changed_after_add = override.is_add() and key in set_keys and key not in added
+        if changed_after_add or not any(key == k or key.startswith(k + ".") for k in set_keys):
             kept.append(arg)
     first = min(keys.values())
     return [*args[:first], *kept, *args[first:]]
