@@ -111,7 +111,8 @@ def _searches(rank: int, port: int, run_dir: str, out) -> None:
 
     import torch.distributed as dist
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "plugins"))
+    tests = Path(__file__).parents[1]
+    sys.path[:0] = [str(tests / "plugins"), str(tests)]
     from helpers.build import compose_config
 
     from ddpexp.modes.find_batch import FindBatch, search
@@ -143,7 +144,8 @@ def test_twenty_searches_in_a_row_agree_on_every_rank_and_never_hang(tmp_path: P
 
     from ddpexp.runtime.dist import free_port
 
-    context = mp.get_context("fork")
+    # Fresh interpreters: a fork of a test process (its threads, their locks) may hang.
+    context = mp.get_context("spawn")
     out = context.Queue()
     port = free_port()
     procs = [context.Process(target=_searches, args=(r, port, str(tmp_path / "run"), out))
