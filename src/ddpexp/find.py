@@ -75,7 +75,8 @@ def find(kind: str, args: Sequence[str]) -> dict:
     from ddpexp.config.rundir import unique_dir
     from ddpexp.config.schema import to_plain, trainer_of
     from ddpexp.config.spec import RunSpec
-    from ddpexp.launch.fanout import dispatch, plan_run
+    from ddpexp.launch.fanout import dispatch, plan_run, world_plan
+    from ddpexp.launch.world import detect
     from ddpexp.modes.find_batch import FindBatch
     from ddpexp.modes.find_lr import FindLR
 
@@ -95,7 +96,9 @@ def find(kind: str, args: Sequence[str]) -> dict:
     stamp = time.strftime("%Y-%m-%d/%H-%M-%S")
     run_dir = Path(named[-1] if named else unique_dir(f"outputs/find/{stamp}")).absolute()
     run_dir.mkdir(parents=True, exist_ok=True)
-    plan = plan_run(trainer_of(config))
+    world = detect()  # torchrun, srun, mpirun, env://: the launcher's ranks are the world
+    plan = world_plan(trainer_of(config), world) if world is not None \
+        else plan_run(trainer_of(config))
     spec = RunSpec.build(config, plan, run_dir=run_dir, log_file=run_dir / "find.log",
                          mode=mode, origin={"argv": ["python", "-m", "ddpexp.find", kind, *args]})
     result = dispatch(spec)
@@ -170,15 +173,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    from ddpexp.launch.world import detect
+
+    def search() -> int:
+        try:
+            result = find(kind, rest)
+        except DdpexpError as exc:
+            if env_flag("HYDRA_FULL_ERROR"):
+                raise
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        print(report(result))
+        return 0
+
     try:
-        result = find(kind, rest)
+        world = detect()
     except DdpexpError as exc:
-        if env_flag("HYDRA_FULL_ERROR"):
-            raise
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(report(result))
-    return 0
+    if world is None:
+        return search()
+    # Another launcher started every rank: rank 0 composes the experiment and searches, the
+    # others run on the spec it hands them (ddpexp.launch.ranks), in its run dir.
+    from ddpexp.launch import ranks
+
+    problem = ranks.fanout_keys_problem(rest, world)
+    if problem:
+        if world.rank == 0:
+            print(f"error: {problem}", file=sys.stderr)
+        return 1
+    ranks.quiet_torch_warnings()
+    try:
+        step = ranks.current(world)
+    except DdpexpError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if step.rank != 0:
+        return ranks.follow(step)
+    status = [1]
+    ranks.lead(step, lambda: status.__setitem__(0, search()))
+    return status[0]
 
 
 if __name__ == "__main__":

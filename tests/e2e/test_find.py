@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -78,26 +79,39 @@ def test_a_search_leaves_other_runs_as_they_were(workdir: Path, monkeypatch, cap
     assert (searched / "find" / "lr.json").is_file() and not list(searched.rglob("*.pt"))
 
 
+PLUGINS_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [
+    str(Path(__file__).parents[1] / "plugins"), os.environ.get("PYTHONPATH")]))}
 OOM = ["model=mlp", "model._target_=oom.OutOfMemoryAbove", "+model.limit=12", "model.hidden=[16]",
        "data=synthetic", "data.shape=[1,4,4]", "data.num_classes=3", "data.num_samples=128",
        "data.val_samples=32", "data.batch_size=2", "~logger", "trainer.procs=2",
        "find.max_batch=64", "find.trial_steps=2"]
 
 
-def test_find_batch_at_two_workers_agrees_below_a_rank_that_runs_out_of_memory(workdir: Path):
-    import os
-
-    plugins = str(Path(__file__).parents[1] / "plugins")
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [plugins, os.environ.get("PYTHONPATH")]))}
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_find_batch_at_two_workers_agrees_below_a_rank_that_runs_out_of_memory(workdir: Path,
+                                                                               strategy: str):
+    """Under fsdp rank 1 fails inside a forward whose parameter gathers rank 0 goes on into:
+    the search regroups after each failed size and reaches the same verdicts."""
     # run_cli: exit 0 within the timeout, and no process left behind.
-    res = run_cli(["batch", *OOM, "hydra.run.dir=outputs/b"], workdir, module="ddpexp.find",
-                  env=env, timeout=120)
+    res = run_cli(["batch", *OOM, f"trainer.strategy={strategy}", "hydra.run.dir=outputs/b"],
+                  workdir, module="ddpexp.find", env=PLUGINS_ENV, timeout=120)
     record = json.loads((workdir / "outputs/b/find/batch.json").read_text())
     assert record["batch_size"] == 12 and record["limited_by"] == "memory", record
     assert {t["batch_size"]: t["fits"] for t in record["tried"]} == VERDICTS
+    assert record["regrouped"] == (3 if strategy == "fsdp" else 0)
     assert all(t["samples_per_s"] > 0 for t in record["tried"] if t["fits"])
     assert "largest per-worker batch: data.batch_size=12 (limited by memory)" in res.stdout
     assert "linear optimizer.lr=0.3" in res.stdout and "square root optimizer.lr=0.122" in res.stdout
+
+
+def test_find_batch_where_not_even_one_sample_fits_is_one_message(workdir: Path):
+    res = run_cli(["batch", *OOM, "model.limit=0", "hydra.run.dir=outputs/b"], workdir,
+                  module="ddpexp.find", env=PLUGINS_ENV, timeout=120, expect_ok=False)
+    assert res.returncode == 1, res.output
+    assert res.stderr.strip().splitlines()[-1].startswith(
+        "error: not even data.batch_size=1 fits: a single sample runs out of memory"), res.stderr
+    assert "Traceback" not in res.output
+    assert not (workdir / "outputs/b/find/batch.json").exists()
 
 
 VERDICTS = {1: True, 2: True, 4: True, 8: True, 16: False, 12: True, 14: False, 13: False}
@@ -115,7 +129,7 @@ def _searches(rank: int, port: int, run_dir: str, out) -> None:
     sys.path[:0] = [str(tests / "plugins"), str(tests)]
     from helpers.build import compose_config
 
-    from ddpexp.modes.find_batch import FindBatch, search
+    from ddpexp.modes.find_batch import FindBatch, Trials, search
     from ddpexp.runtime import dist as d
     from ddpexp.training.trainer import Trainer
 
@@ -129,7 +143,7 @@ def _searches(rank: int, port: int, run_dir: str, out) -> None:
                                         local_world_size=2))
         trainer = Trainer.from_config(plain, ctx, Path(run_dir))
         for _ in range(20):
-            record = search(trainer, FindBatch(max_batch=64, trial_steps=2))
+            record = search(Trials(trainer, None), FindBatch(max_batch=64, trial_steps=2))
             out.put((rank, record["batch_size"],
                      {t["batch_size"]: t["fits"] for t in record["tried"]}))
     finally:

@@ -4,6 +4,7 @@ PyTorchJob, and OpenMPI's mpirun. Real launchers, real gloo groups, free ports."
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -62,6 +63,30 @@ def test_torchrun_on_one_node_is_one_run(workdir):
     assert not res.leftovers
     assert "2 worker(s) (torchrun workers): strategy=ddp" in res.output
     one_run(workdir, 2)
+
+
+FIND = ["model=mlp", "model.hidden=[16]", "data=synthetic", "data.shape=[1,4,4]",
+        "data.num_classes=3", "data.num_samples=256", "data.val_samples=32", "~logger",
+        "data.batch_size=16", "find.steps=20", "find.lr_min=1e-3", "find.lr_max=3"]
+
+
+def test_find_lr_under_torchrun_is_one_search_with_the_curve_of_its_world(workdir):
+    """torchrun's two ranks make one search in one run dir, with the curve that
+    ``trainer.procs=2`` gives (the same global loss at every point)."""
+    res = finish(start([*TORCHRUN, "--nproc-per-node=2", "--master-addr=127.0.0.1",
+                        f"--master-port={free_port()}", "-m", "ddpexp.find", "lr", *FIND,
+                        "hydra.run.dir=outputs/torchrun"], workdir), 240)
+    assert res.returncode == 0, res.output
+    assert not res.leftovers
+    assert "2 worker(s); " in res.output
+    assert sorted(p.name for p in (workdir / "outputs").iterdir()) == ["torchrun"]
+    local = finish(start([sys.executable, "-m", "ddpexp.find", "lr", *FIND, "trainer.procs=2",
+                          "hydra.run.dir=outputs/procs"], workdir), 240)
+    assert local.returncode == 0, local.output
+    under, own = (json.loads((workdir / "outputs" / d / "find/lr.json").read_text())
+                  for d in ("torchrun", "procs"))
+    assert under["lr"] == own["lr"] and under["suggested_lr"] == own["suggested_lr"]
+    assert under["loss"] == pytest.approx(own["loss"], rel=1e-6)
 
 
 @pytest.mark.parametrize("rendezvous", ["static", "c10d"])

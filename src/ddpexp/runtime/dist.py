@@ -157,6 +157,27 @@ def with_mesh(ctx: DistContext, tp: int = 1) -> DistContext:
     return replace(ctx, mesh=init_device_mesh(ctx.device.type, shape, mesh_dim_names=names))
 
 
+def regroup(ctx: DistContext, store: dist.Store, generation: int,
+            timeout_s: float) -> DistContext:
+    """Leave the current process group (one a failed collective left broken: its errors are
+    ignored) and meet every rank in a new one, on ``store`` (the one the old group used,
+    kept) under keys of its own ``generation``; ``ctx`` with the new group's mesh."""
+    try:
+        destroy_process_group()
+    except Exception:  # an aborted or broken group: it is being left anyway
+        pass
+    backend = "nccl" if ctx.device.type == "cuda" else "gloo"
+    kwargs: dict[str, Any] = {"device_id": ctx.device} if backend == "nccl" else {}
+    dist.init_process_group(backend, store=dist.PrefixStore(f"ddpexp/regroup-{generation}", store),
+                            rank=ctx.rank, world_size=ctx.world_size,
+                            timeout=timedelta(seconds=timeout_s), **kwargs)
+    from dataclasses import replace
+
+    tp = ctx.mesh[TP].size() if ctx.mesh is not None and TP in (ctx.mesh.mesh_dim_names or ()) \
+        else 1
+    return with_mesh(replace(ctx, mesh=None), tp)
+
+
 def _env_store(ctx: DistContext, timeout: timedelta) -> dist.Store:
     """A client of the store at MASTER_ADDR:MASTER_PORT (the elastic agent's, or rank 0's)."""
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"

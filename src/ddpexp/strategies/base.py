@@ -52,6 +52,9 @@ class Strategy(ABC):
     staged_save: ClassVar[bool] = False
     #: Whether the model's parameters may be laid out channels_last (``trainer.channels_last``).
     channels_last: ClassVar[bool] = True
+    #: Whether its forward and backward run collectives (fsdp gathers each block's
+    #: parameters): a rank that fails inside them leaves the others waiting in one.
+    collective_forward: ClassVar[bool] = False
 
     def __init__(self, t: TrainerConfig, ctx: DistContext):
         self.t, self.ctx = t, ctx

@@ -47,6 +47,7 @@ class FSDP(DDP):
     staged_save = True
     # FSDP2 shards only contiguous parameters (channels_last ones are not).
     channels_last = False
+    collective_forward = True
 
     def __init__(self, t: TrainerConfig, ctx: DistContext):
         super().__init__(t, ctx)
