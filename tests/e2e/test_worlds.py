@@ -228,6 +228,23 @@ def test_a_raising_rank_under_torchrun_is_named_and_recorded(workdir):
     assert time.time() - started < 180
 
 
+def test_a_rank_failing_before_training_under_torchrun_still_gets_rank_0s_message(workdir):
+    """Rank 1 raises in its first forward (the probe batch, before any collective) and exits;
+    torchrun's agent then SIGTERMs rank 0, still building its trainer. Rank 0 ignores that
+    signal (another rank has failed: the launcher is ending every rank) and writes the run's
+    message and record (it died of the SIGTERM, silent, about one time in two before)."""
+    res = finish(start([*TORCHRUN, "--nproc-per-node=2", "--master-addr=127.0.0.1",
+                        f"--master-port={free_port()}", "-m", "ddpexp", *TINY,
+                        "model._target_=faulty.Faulty", "+model.mode=raise",
+                        "+model.at_call=1"], workdir), 240)
+    assert res.returncode != 0
+    assert not res.leftovers
+    assert "a worker failed, so the whole run was stopped:" in res.stderr, res.output
+    assert "RuntimeError: injected failure on rank 1" in res.stderr
+    metrics = read_metrics(only_run_dir(workdir))
+    assert metrics["status"] == "failed" and "injected failure on rank 1" in metrics["error"]
+
+
 def test_torchrun_restart_resumes_the_same_run_dir(workdir):
     # Rank 1 is SIGKILLed at its 5th forward (epoch 1, after epoch 0's checkpoint), in the
     # first round only; the agent restarts both workers, which continue the same run. The

@@ -497,6 +497,8 @@ def run_rank(step: Step, spec: RunSpec) -> dict | None:
     timeout_s = float(spec.trainer.dist_timeout_s)
     started = time.time()
     on_stuck = _record_stuck(step, spec, timeout_s, started) if step.rank == 0 else None
+    if step.rank == 0 and threading.current_thread() is threading.main_thread():
+        _keep_through_the_launchers_stop(step)
     with Listener(step, str(spec.log_file), on_stuck):
         try:
             return run_worker.__wrapped__(spec, store=step.store)
@@ -525,6 +527,30 @@ def run_rank(step: Step, spec: RunSpec) -> dict | None:
             # the run's message and record: the run failed, it was not interrupted.
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             raise RunFailed(step.failure_message(kind, timeout_s, str(spec.log_file))) from None
+
+
+def _keep_through_the_launchers_stop(step: Step) -> None:
+    """Rank 0: a SIGTERM that comes once another rank has failed (and told the step) is the
+    launcher ending every rank because that one exited (torchrun's agent does): rank 0
+    ignores it, since its failure path is about to write the run's message and record (while
+    training, the loop's own handler takes the signal first). Before training (a rank that
+    fails in its probe batch while rank 0 still builds) it would end rank 0 with nothing
+    said. Any other SIGTERM does what it did before."""
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def handle(signum: int, frame: Any) -> None:
+        abort = step.aborted()
+        if abort is not None and abort.get("by") != step.rank:
+            return  # another rank's failure: rank 0's own failure path follows
+        if callable(previous):
+            previous(signum, frame)
+            return
+        if previous == signal.SIG_IGN:
+            return
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, handle)
 
 
 def _record_stuck(step: Step, spec: RunSpec, timeout_s: float,

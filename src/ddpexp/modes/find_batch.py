@@ -369,12 +369,13 @@ def _local_step(trainer: Steppable, batch: Any) -> None:
 
 
 def _sync_and_step(trainer: Steppable) -> None:
-    """The gradient sum over the replicas the strategy held back, then the optimizer's step."""
-    if trainer.ctx.world_size > 1 and dist.is_available() and dist.is_initialized():
+    """The gradient mean over the data-parallel replicas (the sync the strategy held back),
+    then the optimizer's step."""
+    if trainer.ctx.dp_size > 1 and dist.is_available() and dist.is_initialized():
         for p in trainer.params:
             if p.grad is not None:
-                dist.all_reduce(p.grad)
-                p.grad.div_(trainer.ctx.world_size)
+                dist.all_reduce(p.grad, group=trainer.ctx.dp_group)
+                p.grad.div_(trainer.ctx.dp_size)
     trainer.scaler.step(trainer.optimizer)
     trainer.scaler.update()
     trainer.optimizer.zero_grad(set_to_none=True)
