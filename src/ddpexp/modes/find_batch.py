@@ -58,6 +58,7 @@ KNEE = 1.05
 # this many times the slowest step seen, scaled to the trial's size.
 FENCE_FLOOR_S = 5.0
 FENCE_STEPS = 10
+FENCE_FIRST_S = 60.0  # before any size has fitted: nothing measured yet
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,7 +248,7 @@ class Fence:
     def bound(self, size: int) -> float:
         """How long a collective of a trial at ``size`` may wait for a slow rank."""
         if not self.step_s:
-            return max(FENCE_FLOOR_S, 60.0)  # nothing measured yet: be patient
+            return FENCE_FIRST_S
         fitted = max(self.step_s)
         return max(FENCE_FLOOR_S, FENCE_STEPS * self.step_s[fitted] * max(1.0, size / fitted))
 
@@ -265,7 +266,12 @@ class Fence:
         """Every rank, after a failed trial: a new process group, a trainer built in it."""
         from ddpexp.training.trainer import Trainer
 
-        del trainer  # the failed trial's model and optimizer go before the new ones come
+        # The failed trial's weights and optimizer state go before the new ones come (the
+        # worker that called the mode still holds the first trainer: its tensors are freed
+        # here, not by dropping the reference).
+        trainer.optimizer.state.clear()
+        trainer.model.to("meta")
+        del trainer
         _release()
         self.generation += 1
         self.ctx = regroup(self.ctx, self.store, self.generation, self.timeout_s)
