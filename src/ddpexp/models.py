@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -114,28 +115,43 @@ def channels_last_safe(model: nn.Module) -> bool:
 
 
 class _Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention, then a 4x GELU MLP."""
+    """Pre-norm transformer block: causal self-attention, then a 4x GELU MLP. The query, key
+    and value projections are separate layers, so that tensor parallelism splits each by
+    whole heads (:meth:`GPT.ddpexp_tp_plan`)."""
 
     def __init__(self, n_embd: int, n_head: int, dropout: float):
         super().__init__()
-        self.n_head, self.dropout = n_head, dropout
+        self.head_dim, self.dropout = n_embd // n_head, dropout
         self.ln1, self.ln2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
-        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.q, self.k, self.v = (nn.Linear(n_embd, n_embd) for _ in range(3))
         self.proj = nn.Linear(n_embd, n_embd)
         self.mlp = nn.Sequential(
             nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd), nn.Dropout(dropout)
         )
         self.resid_drop = nn.Dropout(dropout)
+        self._register_load_state_dict_pre_hook(_split_fused_qkv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        h = self.ln1(x)
+        # -1 heads: all of them, or this rank's share under tensor parallelism.
+        q, k, v = (lin(h).view(b, t, -1, self.head_dim).transpose(1, 2)
+                   for lin in (self.q, self.k, self.v))
         att = nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        x = x + self.resid_drop(self.proj(att.transpose(1, 2).reshape(b, t, c)))
+        x = x + self.resid_drop(self.proj(att.transpose(1, 2).reshape(b, t, -1)))
         return x + self.mlp(self.ln2(x))
+
+
+def _split_fused_qkv(state_dict: dict, prefix: str, *args: Any) -> None:
+    """A block's weights saved with one fused ``qkv`` layer (before the projections were
+    separate layers) as the ``q``, ``k`` and ``v`` layers' weights: the same numbers."""
+    for kind in ("weight", "bias"):
+        fused = state_dict.pop(f"{prefix}qkv.{kind}", None)
+        if fused is not None:
+            for name, part in zip("qkv", fused.chunk(3, dim=0), strict=True):
+                state_dict[f"{prefix}{name}.{kind}"] = part
 
 
 class GPT(nn.Module):
@@ -155,7 +171,7 @@ class GPT(nn.Module):
         super().__init__()
         if n_embd % n_head:
             raise ValueError(f"n_embd={n_embd} must be a multiple of n_head={n_head}")
-        self.block_size = block_size
+        self.block_size, self.n_head = block_size, n_head
         self.tok = nn.Embedding(vocab_size, n_embd)
         self.pos = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
@@ -181,6 +197,31 @@ class GPT(nn.Module):
         recomputes (the embeddings, the final norm and the tied output layer stay in the
         root's unit, so the tied weight is one parameter)."""
         return list(self.blocks)
+
+    def ddpexp_tp_plan(self, tp: int) -> dict[str, Any]:
+        """How ``trainer.tp=tp`` splits the model (``torch.distributed.tensor.parallel``
+        styles by module name): each block's query, key, value and first MLP layer by output
+        features (column-wise: each rank computes ``n_head / tp`` whole heads), its output
+        projection and second MLP layer by input features (row-wise: their outputs summed
+        over the ranks); the token embedding by vocabulary rows, and the output layer that
+        shares its weight by the same rows, its logits gathered whole. Norms and the position
+        embedding are kept whole on every rank."""
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        n_head = self.n_head
+        if n_head % tp:
+            raise ValueError(f"the GPT's n_head={n_head} is not a multiple of {tp}: each "
+                             "tensor-parallel rank computes whole attention heads")
+        plan: dict[str, Any] = {
+            "tok": RowwiseParallel(input_layouts=Replicate()),
+            "head": ColwiseParallel(output_layouts=Replicate()),
+        }
+        for name in ("q", "k", "v", "mlp.0"):
+            plan[f"blocks.*.{name}"] = ColwiseParallel()
+        for name in ("proj", "mlp.2"):
+            plan[f"blocks.*.{name}"] = RowwiseParallel()
+        return plan
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from helpers import (
     TINY_GPT,
     only_run_dir,
@@ -19,6 +18,7 @@ from helpers import (
     read_metrics,
     read_scalars,
     run_cli,
+    sweep_cases,
     write_corpus,
 )
 
@@ -33,40 +33,21 @@ TINY = ["data=synthetic", "data.shape=[6]", "data.num_classes=3", "data.num_samp
 GRADS = ["+callbacks.grads._target_=gradprobe.SaveGrads", "+callbacks.grads.path=grads.pt"]
 
 
-def sweep(workdir: Path, cases: dict[str, list[str]], common: list[str], timeout: float = 420) -> dict:
-    """Run one sweep whose jobs are ``cases`` (each a config of overrides); return each
-    case's run dir."""
-    group = workdir / "conf" / "case"
-    group.mkdir(parents=True)
-    for name, overrides in cases.items():
-        body: dict = {}
-        for item in overrides:
-            key, value = item.split("=", 1)
-            if "." not in key:  # a config group's choice
-                body.setdefault("defaults", []).append({f"override /{key}": value})
-                continue
-            node = body
-            *parents, leaf = key.split(".")
-            for p in parents:
-                node = node.setdefault(p, {})
-            node[leaf] = yaml.safe_load(value)
-        (group / f"{name}.yaml").write_text("# @package _global_\n" + yaml.safe_dump(body))
-    run_cli(["-m", "--config-dir", str(workdir / "conf"), *common, f"+case={','.join(cases)}",
-             "hydra.sweep.dir=sweep"], workdir, env=plugins_env(), timeout=timeout)
-    return {name: workdir / "sweep" / str(i) for i, name in enumerate(cases)}  # jobs in order
-
-
 def grads(run_dir: Path) -> list[dict]:
     return torch.load(run_dir / "grads.pt", weights_only=True)
 
 
 def assert_close_grads(a: list[dict], b: list[dict], rtol: float) -> None:
+    """Each gradient of ``a`` within ``rtol`` of ``b``'s, relative to its own norm, or to
+    1e-4 of the step's whole gradient norm where it is smaller than that (the GPT's key bias
+    has a zero gradient, 1e-11 of rounding, that no two reduction orders agree on)."""
     assert len(a) == len(b) > 0
     for step_a, step_b in zip(a, b, strict=False):
         assert step_a.keys() == step_b.keys()
+        total = torch.stack([g.norm() for g in step_b.values()]).norm()
         for name in step_a:
             x, y = step_a[name], step_b[name]
-            err = (x - y).norm() / y.norm().clamp_min(1e-30)
+            err = (x - y).norm() / torch.maximum(y.norm(), 1e-4 * total).clamp_min(1e-30)
             assert err <= rtol, f"{name}: relative difference {err:.2e}"
 
 
@@ -84,7 +65,7 @@ def test_fsdp_matches_ddp_gradients_and_validation(workdir):
     common = [*TINY, *GRADS, "data.num_samples=640", "trainer.procs=2", "trainer.max_steps=20",
               "trainer.grad_clip=0.3"]
     b16 = "data.batch_size=16"
-    runs = sweep(workdir, {
+    runs = sweep_cases(workdir, {
         "ddp_sgd": ["trainer.strategy=ddp", "optimizer=sgd", b16],
         "fsdp_sgd": ["trainer.strategy=fsdp", "optimizer=sgd", b16],
         "ddp_adamw": ["trainer.strategy=ddp", "optimizer=adamw", b16],
@@ -120,7 +101,7 @@ def test_gpt_blocks_tied_weights_and_activation_checkpointing(workdir):
     two, four = ["trainer.procs=2", "data.batch_size=8"], ["trainer.procs=4", "data.batch_size=4"]
     common.append("+callbacks.model_state._target_=ddpexp.callbacks.ModelStateSize")
     ac = "trainer.activation_checkpointing=true"
-    runs = sweep(workdir, {
+    runs = sweep_cases(workdir, {
         "ddp": ["trainer.strategy=ddp", *two],
         "ddp_ac": ["trainer.strategy=ddp", ac, *two],
         "fsdp_ac": ["trainer.strategy=fsdp", ac, *two],
@@ -166,7 +147,7 @@ def test_sharded_checkpoints_resume_at_any_world_size(workdir):
     features = ["trainer.ema_decay=0.9", "trainer.save_top_k=2"]
     common = [*TINY, *features, "trainer.strategy=fsdp", "optimizer=adamw", "trainer.procs=2",
               "data.batch_size=16"]
-    runs = sweep(workdir, {"whole": ["trainer.max_steps=20"], "first": ["trainer.max_steps=12"]},
+    runs = sweep_cases(workdir, {"whole": ["trainer.max_steps=20"], "first": ["trainer.max_steps=12"]},
                  common)
     first, whole = runs["first"], runs["whole"]
     m = read_metrics(first)
@@ -176,7 +157,7 @@ def test_sharded_checkpoints_resume_at_any_world_size(workdir):
     (workdir / "conf").rename(workdir / "conf-first")
     (workdir / "sweep").rename(workdir / "sweep-first")
     first = workdir / "sweep-first" / first.name
-    runs = sweep(workdir, {
+    runs = sweep_cases(workdir, {
         "same": ["trainer.procs=2", "data.batch_size=16"],
         "one": ["trainer.procs=1", "data.batch_size=32"],
         "four": ["trainer.procs=4", "data.batch_size=8"],

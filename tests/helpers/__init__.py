@@ -39,7 +39,7 @@ from helpers.files import (
                          write_imagefolder,
                          write_mnist,
 )
-from helpers.sweeps import journal_study, summary_by_job
+from helpers.sweeps import journal_study, summary_by_job, sweep_cases
 from helpers.tensors import assert_same_tensors
 
 __all__ = [
@@ -47,6 +47,6 @@ __all__ = [
     "compose_config", "finish", "journal_study", "kill_session", "one_worker", "only_run_dir",
     "plugins_env", "read_metrics", "read_scalars", "run_cli", "run_cli_here",
     "run_cli_in_process", "run_dirs", "run_printed", "session_pids", "start_cli",
-    "stop_session", "summary_by_job", "wait_for", "write_cifar10", "write_corpus",
+    "stop_session", "summary_by_job", "sweep_cases", "wait_for", "write_cifar10", "write_corpus",
     "write_idx", "write_imagefolder", "write_mnist",
 ]

@@ -32,8 +32,9 @@ def test_gather_schema_before_training(trainer_factory, tmp_path):
     assert s["format"] == state.FORMAT == 3
     assert set(s) == {"format", "model", "optimizer", "scheduler", "scaler", "epoch", "batch",
                       "step", "best", "metrics", "history", "callbacks", "loggers", "logger_queues", "ranks",
-                      "world_size", "global_batch", "config"}
+                      "world_size", "layout", "global_batch", "config"}
     assert (s["epoch"], s["batch"], s["step"], s["world_size"], s["global_batch"]) == (0, 0, 0, 1, 8)
+    assert s["layout"] == {"strategy": "single", "dp": 1, "tp": 1}
     assert s["best"] == {"metric": "val/acc", "value": None, "epoch": None}
     assert s["scheduler"] is None and s["scaler"] is None
     assert list(s["model"]) == list(t.module.state_dict())

@@ -70,6 +70,10 @@ class TrainerConfig:
     precision: str = "32"
     # Micro-batches per optimizer step (no_sync under DDP).
     accumulate: int = 1
+    # Tensor-parallel degree: each model-parallel group of tp ranks splits the model by its
+    # plan (ddpexp.strategies.tp); the data-parallel degree is the world size / tp. With
+    # strategy=fsdp, a 2-D mesh: FSDP over the data-parallel dimension, TP inside.
+    tp: int = 1
     # strategy=fsdp's sharding (trainer.fsdp.wrap, reshard_after_forward, cpu_offload).
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     # Recompute each block's activations in the backward pass (ddp, fsdp, single): less

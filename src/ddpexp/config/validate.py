@@ -25,7 +25,7 @@ def validate(cfg: DictConfig, launched_elsewhere: bool = False) -> None:
         raise ConfigError(
             f"trainer.precision={t.precision!r} is not one of {', '.join(PRECISIONS)}"
         )
-    for key in ("gpus", "nodes", "accumulate", "max_epochs", "log_every_n_steps"):
+    for key in ("gpus", "nodes", "accumulate", "tp", "max_epochs", "log_every_n_steps"):
         value = t[key]
         low = 0 if key == "gpus" else 1
         if value < low:

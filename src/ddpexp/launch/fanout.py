@@ -76,6 +76,7 @@ def plan_run(trainer: Any, visible_gpus: int | None = None) -> Plan:
                 f"({kind.__name__} over trainer.gpus); got trainer.procs={procs}, trainer.nodes={nodes}. "
                 "Use trainer.strategy=ddp for several processes."
             )
+        check_tensor_parallel(trainer, strategy, 1, "one process")
         return Plan(strategy, 1, 1, gpus)
     if procs is None:
         procs = gpus if gpus > 0 else 1
@@ -92,7 +93,28 @@ def plan_run(trainer: Any, visible_gpus: int | None = None) -> Plan:
         )
     if kind is None:
         strategy = registry.resolve_auto(world)
+    check_tensor_parallel(trainer, strategy, world,
+                          f"trainer.gpus={gpus} x trainer.nodes={nodes}" if gpus else
+                          f"trainer.procs={procs} x trainer.nodes={nodes}")
     return Plan(strategy, procs, nodes, gpus)
+
+
+def check_tensor_parallel(trainer: Any, strategy: Any, world: int, layout: str) -> None:
+    """Refuse a ``trainer.tp`` that does not divide the ``world`` of ``layout`` into whole
+    data-parallel replicas, or that ``strategy`` (resolved) cannot run."""
+    tp = int(getattr(trainer, "tp", 1))
+    if tp == 1:
+        return
+    if world % tp:
+        fits = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
+        raise ConfigError(
+            f"trainer.tp={tp} does not divide the world size {world} ({layout}): the "
+            f"data-parallel degree is the world size / trainer.tp. Use a trainer.tp of {fits}, "
+            f"or a world size that is a multiple of {tp}")
+    if registry.tensor_parallel_class(registry.strategy_class(strategy)) is None:
+        raise ConfigError(
+            f"trainer.strategy={registry.label(strategy)} cannot split the model by tensor "
+            f"parallelism (trainer.tp={tp}); use trainer.strategy=ddp or fsdp")
 
 
 def _plain(strategy: Any) -> Any:
@@ -204,8 +226,10 @@ def run(cfg: DictConfig) -> float | None:
         raise
     plan = spec.plan
     log.info("run dir: %s", run_dir)
-    log.info("%d worker(s)%s: strategy=%s, %s", plan.world_size,
+    tp = spec.trainer.tp
+    log.info("%d worker(s)%s: strategy=%s%s, %s", plan.world_size,
              f" ({world.label})" if world is not None else "", registry.label(plan.strategy),
+             f", dp={plan.world_size // tp} x tp={tp}" if tp > 1 else "",
              f"{plan.gpus} GPU(s) per node" if plan.gpus else "CPU")
     if spec.resume_from is None and spec.config["resume"] == "auto":
         log.info("resume=auto: no checkpoint in %s, starting from scratch", run_dir / "checkpoints")
@@ -344,6 +368,7 @@ def world_plan(trainer: Any, world: World) -> Plan:
     problem = ranks.nodes_problem(nodes, world)
     if problem:
         raise ConfigError(problem)
+    check_tensor_parallel(trainer, strategy, size, world.what)
     return Plan(strategy, per_node, world.nodes, gpus)
 
 

@@ -74,7 +74,7 @@ def run_worker(spec: RunSpec, store: dist.Store | None = None) -> dict | None:
     ddist.init_process_group(ctx, spec.trainer.dist_timeout_s,
                              force=strategy_class(spec.trainer.strategy).spans_processes,
                              store=store)
-    ctx = ddist.with_mesh(ctx)
+    ctx = ddist.with_mesh(ctx, spec.trainer.tp)
     if not spec.in_process:
         # A full disk costs the log its lines, not a "--- Logging error ---" traceback per
         # line (launch.failures.quiet_logging_errors; in process, the run's parent set it).

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ddpexp import lazy_attributes
+from ddpexp.errors import ConfigError
 from ddpexp.strategies.registry import register, strategy_class
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ __getattr__, __dir__ = lazy_attributes(__name__, {
     "DataParallel": "ddpexp.strategies.dp",
     "DDP": "ddpexp.strategies.ddp",
     "FSDP": "ddpexp.strategies.fsdp",
+    "TensorParallel": "ddpexp.strategies.tp",
     "release_freed_memory": "ddpexp.strategies.fsdp",
 })
 
@@ -43,6 +45,13 @@ __getattr__, __dir__ = lazy_attributes(__name__, {
 def for_config(t: TrainerConfig, ctx: DistContext) -> Strategy:
     """The strategy of ``trainer.strategy`` (``auto`` is resolved by the launcher): a
     registered name's class, or the class a dotted path or ``_target_`` names."""
-    from ddpexp.strategies.registry import kwargs_of
+    from ddpexp.strategies.registry import kwargs_of, tensor_parallel_class
 
-    return strategy_class(t.strategy, ctx.world_size)(t, ctx, **kwargs_of(t.strategy))
+    cls = strategy_class(t.strategy, ctx.world_size)
+    if t.tp > 1:
+        tp_cls = tensor_parallel_class(cls)
+        if tp_cls is None:
+            raise ConfigError(f"trainer.strategy={cls.label()} cannot split the model by tensor "
+                              f"parallelism (trainer.tp={t.tp}); use trainer.strategy=ddp or fsdp")
+        cls = tp_cls
+    return cls(t, ctx, **kwargs_of(t.strategy))

@@ -55,6 +55,9 @@ class Strategy(ABC):
     #: Whether its forward and backward run collectives (fsdp gathers each block's
     #: parameters): a rank that fails inside them leaves the others waiting in one.
     collective_forward: ClassVar[bool] = False
+    #: The dotted path of the strategy that runs this one's runs at ``trainer.tp > 1`` (see
+    #: :func:`ddpexp.strategies.registry.tensor_parallel_class`); None: it cannot.
+    tensor_parallel: ClassVar[str | None] = None
 
     def __init__(self, t: TrainerConfig, ctx: DistContext):
         self.t, self.ctx = t, ctx

@@ -19,6 +19,9 @@ class DDP(Local):
 
     name = "ddp"
     spans_processes = True
+    # trainer.tp > 1: the model split inside each tensor-parallel group, gradients averaged
+    # over the data-parallel replicas.
+    tensor_parallel = "ddpexp.strategies.tp.TensorParallel"
 
     def prepare(self, module: nn.Module) -> nn.Module:
         if self.t.sync_batchnorm and self.ctx.device.type != "cpu":

@@ -86,6 +86,20 @@ def strategy_class(spec: Any, world_size: int = 1) -> type[Strategy]:
     return cls
 
 
+def tensor_parallel_class(cls: type[Strategy]) -> type[Strategy] | None:
+    """The strategy that runs a run of ``cls`` at ``trainer.tp > 1``: the class its
+    ``tensor_parallel`` names (``ddp``: :class:`~ddpexp.strategies.tp.TensorParallel`;
+    ``fsdp``: itself, on a 2-D mesh), or ``cls`` itself where it is a subclass of that class.
+    None where it cannot, a subclass of ``ddp`` among them (its own code would not run)."""
+    path = cls.tensor_parallel
+    if path is None:
+        return None
+    target = _import(path)
+    if issubclass(cls, target):
+        return cls
+    return target if vars(cls).get("tensor_parallel") == path else None
+
+
 def kwargs_of(spec: Any) -> dict[str, Any]:
     """The keyword arguments a ``{_target_: ..., key: value}`` node gives its class."""
     return _split(spec)[1]

@@ -115,6 +115,7 @@ def gather(trainer: Checkpointable) -> dict | None:
         **trainer.loggers.state_dict(),  # loggers, logger_queues
         "ranks": ranks,
         "world_size": trainer.world_size,
+        "layout": layout(trainer),
         # Samples per micro-batch over all replicas: where "batch" is in the epoch at another
         # world size or batch size.
         "global_batch": trainer.data.batch_size * trainer.strategy.dp_size,
@@ -122,6 +123,17 @@ def gather(trainer: Checkpointable) -> dict | None:
     }
     trainer.callbacks.fire("on_save_checkpoint", trainer, state)
     return state
+
+
+def layout(trainer: Checkpointable) -> dict:
+    """How ``trainer``'s model is laid out over its ranks, as a checkpoint records it."""
+    return {"strategy": trainer.strategy.label(), "dp": trainer.strategy.dp_size,
+            "tp": trainer.world_size // trainer.strategy.dp_size}
+
+
+def describe_layout(saved: Mapping[str, Any]) -> str:
+    """A :func:`layout` as the resume's line names it: "strategy=fsdp dp=2 x tp=2"."""
+    return f"strategy={saved.get('strategy')} dp={saved.get('dp')} x tp={saved.get('tp')}"
 
 
 def load(trainer: Checkpointable, path: Path, changes: Sequence[Mapping[str, Any]] = ()) -> list[dict]:
@@ -151,6 +163,10 @@ def load(trainer: Checkpointable, path: Path, changes: Sequence[Mapping[str, Any
         state = strategy.read_sharded(trainer.module, trainer.optimizer, path)
     else:  # the file read above
         state = strategy.from_file(trainer.module, trainer.optimizer, cast(dict, state))
+    saved_layout, here = state.get("layout"), layout(trainer)
+    if saved_layout is not None and saved_layout != here and trainer.is_main:
+        log.info("resharded: the checkpoint was written at %s, this run is %s",
+                 describe_layout(saved_layout), describe_layout(here))
     if "optimizer" not in state:
         raise ConfigError(
             f"checkpoint {path} holds the weights only (best.pt and the top-k files of an fsdp "

@@ -132,7 +132,9 @@ class Trainer(CallbackSurface):
         self.module = self.strategy.prepare(self.module)
         self.model = self.strategy.wrap(self.module)
         self.forward = torch.compile(self.model) if cfg.compile else self.model
-        seed_everything(derive_seed(seed, ctx.rank, 1))  # per-rank stream
+        # Per data-parallel rank: the ranks of one tensor-parallel group draw alike (dropout
+        # on the activations they all hold must agree).
+        seed_everything(derive_seed(seed, ctx.dp_rank, 1))
         self._build_optimization(optimizer, scheduler)
         self.callbacks = Dispatch(callbacks or {})
         self.callbacks.fire("setup", self)
@@ -292,8 +294,8 @@ class Trainer(CallbackSurface):
         bs, accumulate = self.data.batch_size, self.t.accumulate
         self.train_sampler.set_epoch(self.epoch, skip=self.batch * bs)
         generator = getattr(self.train_loader, "generator", None)
-        if generator is not None:  # DataLoader workers' seeds: a function of (rank, epoch)
-            generator.manual_seed(derive_seed(self.seed, self.ctx.rank, self.epoch, 2))
+        if generator is not None:  # DataLoader workers' seeds: a function of (data-parallel rank, epoch)
+            generator.manual_seed(derive_seed(self.seed, self.ctx.dp_rank, self.epoch, 2))
         self.callbacks.fire("on_train_epoch_start", self)
         group_end = 0
         # trainer.limit_train_batches / overfit_batches end the epoch early.
