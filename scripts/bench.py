@@ -753,34 +753,41 @@ def _has(module: str) -> bool:
 
 
 FSDP = "fsdp"
+TP = "tp"
+# The memory case's layouts of 2 workers: (overrides, data-parallel replicas).
+LAYOUTS = {"ddp": (["trainer.strategy=ddp"], 2), "fsdp": (["trainer.strategy=fsdp"], 2),
+           "tp": (["trainer.strategy=ddp", "trainer.tp=2"], 1)}
 
 
 def fsdp_args(quick: bool, strategy: str, text: Path, out: Path) -> list[str]:
     """The GPT of about 151M parameters (12 blocks of width 1024) with AdamW on 2 workers
-    (quick: 2 blocks of width 64), the same run under ``strategy``."""
+    (quick: 2 blocks of width 64), the same run in ``strategy``'s layout (LAYOUTS) with the
+    same global batch of 8 windows: 4 per replica, 8 for the one replica of tp=2."""
     size = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4"] if quick else \
         ["model.n_layer=12", "model.n_embd=1024", "model.n_head=16"]
     steps, every = (4, 2) if quick else (9, 3)
+    layout, replicas = LAYOUTS[strategy]
     return [sys.executable, "-m", "ddpexp", "task=lm", "model=gpt", *size, "data=text",
-            f"data.path={text}", "data.block_size=64", "data.batch_size=4", "optimizer=adamw",
-            "trainer.procs=2", f"trainer.strategy={strategy}", f"trainer.max_steps={steps}",
+            f"data.path={text}", "data.block_size=64", f"data.batch_size={8 // replicas}",
+            "optimizer=adamw", "trainer.procs=2", *layout, f"trainer.max_steps={steps}",
             f"trainer.log_every_n_steps={every}", "trainer.limit_val_batches=2", "trainer.test=false",
             "trainer.progress_bar=false", "+callbacks.model_state._target_=ddpexp.callbacks.ModelStateSize",
             f"hydra.run.dir={out}"]
 
 
-def fsdp_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str:
-    """ddp and fsdp on the same GPT run, alternating which goes first: the largest process's
-    peak RSS, the per-rank model state (counted by the ModelStateSize callback) against
-    16 bytes a parameter divided by the ranks, per-step time and tokens/s; a markdown table
-    of medians and the memory ratio's verdict."""
-    figures: dict[str, list[dict]] = {"ddp": [], "fsdp": []}
-    block, batch, procs = 64, 4, 2
+def fsdp_bench(quick: bool, repeats: int, env: dict, timeout: float,
+               layouts: Sequence[str] = ("ddp", "fsdp")) -> str:
+    """The same GPT run in each of ``layouts`` (LAYOUTS: ddp, fsdp, tp=2), rotating which
+    goes first: the largest process's peak RSS, the per-rank model state (counted by the
+    ModelStateSize callback) against 16 bytes a parameter divided by the ranks, per-step
+    time and tokens/s; a markdown table of medians and the memory ratios' verdicts."""
+    figures: dict[str, list[dict]] = {name: [] for name in layouts}
+    block, batch, procs = 64, 8, 2  # the global batch: windows per step over all replicas
     with tempfile.TemporaryDirectory(prefix="ddpexp-bench-fsdp-") as tmp:
         text = Path(tmp) / "text.txt"
         text.write_text((ROOT / "README.md").read_text())
         for r in range(repeats):
-            for strategy in (["ddp", "fsdp"] if r % 2 == 0 else ["fsdp", "ddp"]):
+            for strategy in [*layouts[r % len(layouts):], *layouts[:r % len(layouts)]]:
                 out = Path(tmp) / f"{strategy}-{r}"
                 _, wall, rss = run_command(fsdp_args(quick, strategy, text, out), Path(tmp), env, timeout)
                 sc = _scalars(out / "tb")
@@ -789,7 +796,7 @@ def fsdp_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str:
                     "rss_mib": rss, "wall_s": wall, "samples_per_s": rate,
                     "state_bytes": sc["memory/model_state_bytes"][0].value,
                     "params": sc["memory/parameters"][0].value})
-                print(f"[{r + 1}/{repeats}] fsdp-case {strategy:4s} wall {wall:6.1f}s  "
+                print(f"[{r + 1}/{repeats}] memory-case {strategy:4s} wall {wall:6.1f}s  "
                       f"max RSS {rss:.0f}MiB  samples/s {_fmt(rate)}", file=sys.stderr, flush=True)
 
     def med(strategy: str, key: str) -> float | None:
@@ -798,20 +805,26 @@ def fsdp_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str:
 
     params = figures["ddp"][0]["params"]
     lines = [f"GPT of {params / 1e6:.1f}M parameters, AdamW, {procs} workers on the CPU (gloo), "
-             f"{batch} x {block} tokens per worker and step; medians of {repeats} round(s)", "",
-             "| strategy | model state per rank MiB | / (16P/N) | peak RSS MiB (largest process) "
+             f"{batch} x {block} tokens per step over all replicas; medians of {repeats} round(s)",
+             "", "| layout | model state per rank MiB | / (16P/N) | peak RSS MiB (largest process) "
              "| s per step | tokens/s |", "|---|---|---|---|---|---|"]
-    for strategy, world in (("ddp", 1), ("fsdp", procs)):
+    for strategy in layouts:
+        world = 1 if strategy == "ddp" else procs  # the ranks the model state is split over
         state, rate = med(strategy, "state_bytes"), med(strategy, "samples_per_s")
+        # samples_per_s counts the samples of every replica (of one, at tp=2).
         lines.append(
-            f"| {strategy} | {state / 2**20:.0f} | {state / (16 * params / world):.3f} | "
-            f"{med(strategy, 'rss_mib'):.0f} | {_fmt(batch * procs / rate if rate else None, 3)} | "
-            f"{_fmt(rate * block if rate else None, 0)} |")
-    ratio = med("fsdp", "rss_mib") / med("ddp", "rss_mib")
-    state_ratio = med("fsdp", "state_bytes") / (16 * params / procs)
-    lines += ["", f"fsdp/ddp peak RSS: {ratio:.2f} (target <= 0.7: {'met' if ratio <= 0.7 else 'MISSED'}); "
-              f"fsdp model state per rank / (16P/N): {state_ratio:.3f} "
-              f"(target <= 1.02: {'met' if state_ratio <= 1.02 else 'MISSED'})"]
+            f"| {' '.join(LAYOUTS[strategy][0])} | {state / 2**20:.0f} | "
+            f"{state / (16 * params / world):.3f} | {med(strategy, 'rss_mib'):.0f} | "
+            f"{_fmt(batch / rate if rate else None, 3)} | {_fmt(rate * block if rate else None, 0)} |")
+    lines.append("")
+    for strategy in layouts[1:]:
+        ratio = med(strategy, "rss_mib") / med("ddp", "rss_mib")
+        state_ratio = med(strategy, "state_bytes") / (16 * params / procs)
+        lines.append(f"{strategy}/ddp peak RSS: {ratio:.2f} (target <= 0.7: "
+                     f"{'met' if ratio <= 0.7 else 'MISSED'}); {strategy} model state per rank "
+                     f"/ (16P/N): {state_ratio:.3f}" + (
+                         f" (target <= 1.02: {'met' if state_ratio <= 1.02 else 'MISSED'})"
+                         if strategy == "fsdp" else ""))
     return "\n".join(lines)
 
 
@@ -1150,7 +1163,8 @@ def find_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str:
 
 # Cases that run commands of their own and print their own table: name -> the bench.
 OWN_CASES: dict[str, Callable[[bool, int, dict, float], str]] = {
-    SEARCH: search_bench, FSDP: fsdp_bench, LOGGERS: loggers_bench, LAUNCHERS: launchers_bench,
+    SEARCH: search_bench, FSDP: fsdp_bench,
+    TP: functools.partial(fsdp_bench, layouts=("ddp", "fsdp", "tp")), LOGGERS: loggers_bench, LAUNCHERS: launchers_bench,
     GAPS: gaps_bench, SAVE: save_bench, SCALE: scale_bench, DEFAULTS: defaults_bench,
     FIND: find_bench,
     **{f"{SAVE}-{s}": functools.partial(save_bench, strategies=(s,)) for s in SAVE_STRATEGIES}}
@@ -1163,7 +1177,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cases", nargs="+", default=None,
                    help="a subset of: overhead compute startup sweep search (--quick runs search "
                         "only when named; with --gpu: gpu-fp32 gpu-bf16 gpu-dp gpu-fsdp gpu-compile; fsdp: "
-                        "the memory case, loggers: a tracker's cost per step, launchers: an 8-job "
+                        "the memory case, tp: the same with tensor parallelism (tp=2) beside, loggers: a tracker's cost per step, launchers: an 8-job "
                         "sweep under ddpexp's and Hydra's launchers, gaps: the search's slot "
                         "gaps over 8 and 32 trials, save: the loop's stall at a checkpoint with "
                         "trainer.async_save on and off, one process and fsdp over 2 workers "

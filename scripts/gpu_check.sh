@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks in one go, on a machine with CUDA and no network: make the project importable
 # (Hydra from the wheels in .whl/ when they are there, else the installed one), run the tests
-# marked gpu, run the benchmark's GPU cases (plain loop vs ddpexp vs Lightning where installed;
+# marked gpu (NCCL DDP, DataParallel, FSDP, and tensor parallelism, trainer.gpus=N trainer.tp=N
+# alone and inside fsdp, where there are 2 GPUs or more), run the benchmark's GPU cases (plain
+# loop vs ddpexp vs Lightning where installed;
 # fp32 and bf16; DDP on one rank over NCCL, DataParallel and FSDP in bf16; torch.compile on and
 # off), and
 # write a markdown table and the raw figures.

@@ -71,3 +71,29 @@ def test_fsdp_nccl_bf16_gpt_with_activation_checkpointing_and_resume(workdir):
     best = torch.load(first / "checkpoints" / "best.pt", map_location="cpu", weights_only=True)
     vocab = best["model"]["tok.weight"].shape[0]
     GPT(vocab_size=vocab, block_size=32).load_state_dict(best["model"], strict=True)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_tensor_parallel_over_nccl_on_every_gpu(workdir, strategy):
+    """``trainer.gpus=N trainer.tp=N`` (one replica split over every GPU; NCCL needs a GPU a
+    rank, so it takes 2 or more), alone and inside fsdp, in bf16: it trains, its DCP
+    checkpoint resumes, and best.pt loads on the CPU into the plain GPT."""
+    n = ngpus()
+    if n < 2:
+        pytest.skip("tensor parallelism over NCCL needs 2 GPUs or more (one rank each)")
+    (workdir / "text.txt").write_text(TEXT)
+    args = ["task=lm", "model=gpt", "data=text", "data.path=text.txt", "data.block_size=32",
+            f"model.n_head={n * 2}", f"model.n_embd={n * 32}", f"trainer.gpus={n}",
+            f"trainer.tp={n}", f"trainer.strategy={strategy}", "trainer.precision=bf16",
+            "optimizer=adamw", "trainer.max_steps=30"]
+    res = run_cli(args, workdir)
+    assert f"{n} worker(s): strategy={strategy}, dp=1 x tp={n}, {n} GPU(s) per node" in res.output
+    first = only_run_dir(workdir)
+    assert read_metrics(first)["status"] == "completed"
+    run_cli([*args, "trainer.max_steps=40", f"resume={first}"], workdir)
+    from ddpexp.models import GPT
+
+    best = torch.load(first / "checkpoints" / "best.pt", map_location="cpu", weights_only=True)
+    vocab = best["model"]["tok.weight"].shape[0]
+    GPT(vocab_size=vocab, block_size=32, n_head=n * 2, n_embd=n * 32).load_state_dict(
+        best["model"], strict=True)

@@ -25,6 +25,10 @@ ONE = ["trainer.procs=1", "data.batch_size=8"]
 TP2 = ["trainer.procs=2", "trainer.tp=2", "data.batch_size=8"]  # dp=1 x tp=2
 TP2_DP2 = ["trainer.procs=4", "trainer.tp=2", "data.batch_size=4"]  # ddp: dp=2 x tp=2
 GRID = ["trainer.procs=4", "trainer.strategy=fsdp", "trainer.tp=2", "data.batch_size=4"]  # 2x2
+# What a run keeps besides last.pt, as under fsdp: an average of the weights, the 2 best
+# epochs' files, digests, written in the background; epochs of 8 steps.
+KEEP = ["trainer.ema_decay=0.9", "trainer.save_top_k=2", "trainer.async_save=true",
+        "trainer.limit_train_batches=8"]
 DDP2 = ["trainer.procs=2", "trainer.strategy=ddp", "data.batch_size=4"]
 FSDP2 = ["trainer.procs=2", "trainer.strategy=fsdp", "trainer.tp=1", "data.batch_size=4"]
 
@@ -77,13 +81,14 @@ def test_tp_checkpoints_resume_bit_exactly_and_reshard(workdir):
     """Stopped at step 12 (mid-epoch) and resumed to step 20: tp=2 -> tp=2 is bit-exact
     against the uninterrupted run; tp=2 -> one worker, tp=2 -> fsdp dp=2, fsdp 2x2 -> fsdp
     dp=2 and ddp -> tp=2 each continue at the same sample (within 1e-4), saying they
-    resharded; ddpexp.eval reads the tp checkpoint on one worker and on its own mesh."""
+    resharded; ddpexp.eval reads the tp checkpoint on one worker and on its own mesh. With
+    an average of the weights, the top 2 epochs kept and saves in the background."""
     write_corpus(workdir / "text.txt")
     runs = sweep_cases(workdir, {
         "whole": [*TP2, "trainer.max_steps=20"], "tp": [*TP2, "trainer.max_steps=12"],
         "grid": [*GRID, "trainer.max_steps=12"], "ddp": [*DDP2, "trainer.max_steps=12"],
-    }, COMMON, timeout=300)
-    assert read_metrics(runs["tp"])["epochs"] == 0  # stopped mid-epoch
+    }, [*COMMON, *KEEP], timeout=300)
+    assert read_metrics(runs["tp"])["epochs"] == 1  # stopped mid-epoch (step 4 of 8)
     (workdir / "conf").rename(workdir / "conf-first")
     (workdir / "sweep").rename(workdir / "sweep-first")
     first = {name: workdir / "sweep-first" / run.name for name, run in runs.items()}
@@ -93,15 +98,21 @@ def test_tp_checkpoints_resume_bit_exactly_and_reshard(workdir):
         "tp_fsdp": [*FSDP2, f"resume={first['tp']}"],
         "grid_fsdp": [*FSDP2, f"resume={first['grid']}"],
         "ddp_tp": [*TP2, f"resume={first['ddp']}"],
-    }, [*COMMON, "trainer.max_steps=20"], timeout=300)
+    }, [*COMMON, *KEEP, "trainer.max_steps=20"], timeout=300)
     whole = read_metrics(first["whole"])
     same = read_metrics(resumed["same"])
     assert same["steps"] == 20 and same["final"] == whole["final"]
     expected = whole_weights(first["whole"])
     got = whole_weights(resumed["same"])
     assert got.keys() == expected.keys()
-    for name, tensor in expected.items():
+    for name, tensor in expected.items():  # the averaged weights
         assert torch.equal(got[name], tensor), name
+    kept = resumed["same"] / "checkpoints"
+    assert (kept / "last.pt" / "SHA256SUMS").is_file() and (kept / "best.pt.sha256").is_file()
+    top = sorted(kept.glob("epoch*.pt"))
+    assert len(top) == 2  # whole-weights files of the 2 best epochs
+    for path in top:
+        assert torch.load(path, weights_only=True)["model"].keys() == expected.keys()
     lines = {
         "one": "strategy=ddp dp=1 x tp=2, this run is strategy=single dp=1 x tp=1",
         "tp_fsdp": "strategy=ddp dp=1 x tp=2, this run is strategy=fsdp dp=2 x tp=1",

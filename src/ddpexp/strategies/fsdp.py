@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -55,6 +56,10 @@ class FSDP(Sharded):
             self.blocks = find_blocks(module, self.t.blocks)
         if self.t.tp > 1:
             apply_plan(module, self.ctx, self.t.tp)
+            # The plan's last layer hands back its gathered output as a view of the DTensor's
+            # local tensor, and FSDP2 warns each rank of in-place ops on a view; the loop's
+            # loss takes the logits as they are.
+            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         tied, kind = tied_names(module), type(module).__name__
         # FSDP shards over the data-parallel dimension of the run's mesh.
         mesh = self.ctx.mesh[DP] if self.ctx.mesh is not None else \
