@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_GPT, read_metrics, run_cli, sweep_cases, write_corpus
+from helpers import (
+    TINY_GPT,
+    assert_close_grads,
+    read_metrics,
+    run_cli,
+    sweep_cases,
+    write_corpus,
+)
 
 from ddpexp.checkpoint.sharded import is_sharded
 
@@ -75,6 +82,29 @@ def test_tp_and_fsdp_by_tp_train_as_one_worker(workdir):
                 n_embd=32)
     model.load_state_dict(best, strict=True)
     assert model.head.weight is model.tok.weight
+
+
+def test_a_users_model_with_a_plan_gets_one_workers_clipped_gradients(workdir):
+    """A model of the user's own (tests/plugins/tpmodel.py: a plan, no ddpexp code) at tp=2
+    and at fsdp 2x2: the first 2 steps' whole gradients, clipped to a total norm of 0.05
+    over split and whole layers alike, within 1e-6 of one worker's."""
+    common = ["data=synthetic", "data.shape=[6]", "data.num_classes=3", "data.num_samples=256",
+              "data.val_samples=64", "model=mlp", "model._target_=tpmodel.Planned",
+              "model.hidden=[16]", "optimizer=adamw", "trainer.grad_clip=0.05",
+              "trainer.max_steps=4", "trainer.test=false", "trainer.dist_timeout_s=60",
+              "+callbacks.grads._target_=gradprobe.SaveGrads", "+callbacks.grads.path=grads.pt"]
+    runs = sweep_cases(workdir, {
+        "one": ["trainer.procs=1", "data.batch_size=16"],
+        "tp": ["trainer.procs=2", "trainer.tp=2", "data.batch_size=16"],
+        "grid": ["trainer.procs=4", "trainer.strategy=fsdp", "trainer.tp=2", "data.batch_size=8"],
+    }, common, timeout=240)
+    reference = torch.load(runs["one"] / "grads.pt", weights_only=True)
+    total = torch.stack([g.norm() for g in reference[0].values()]).norm()
+    assert float(total) == pytest.approx(0.05, rel=1e-5)  # clipped
+    for name in ("tp", "grid"):
+        assert_close_grads(torch.load(runs[name] / "grads.pt", weights_only=True), reference, 1e-6)
+    assert "tensor parallel: Planned split over tp=2 rank(s) by its plan" in \
+        (runs["tp"] / "ddpexp.log").read_text()
 
 
 def test_tp_checkpoints_resume_bit_exactly_and_reshard(workdir):

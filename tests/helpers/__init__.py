@@ -33,20 +33,22 @@ from helpers.cli import (
 )
 from helpers.files import (
                          TINY_GPT,
+                         rows,
                          write_cifar10,
                          write_corpus,
                          write_idx,
                          write_imagefolder,
                          write_mnist,
+                         write_parquet_rows,
 )
 from helpers.sweeps import journal_study, summary_by_job, sweep_cases
-from helpers.tensors import assert_same_tensors
+from helpers.tensors import assert_close_grads, assert_same_tensors
 
 __all__ = [
-    "FAST", "PLUGINS", "TINY_GPT", "CliResult", "assert_same_tensors", "build_trainer",
+    "FAST", "PLUGINS", "TINY_GPT", "CliResult", "assert_close_grads", "assert_same_tensors", "build_trainer",
     "compose_config", "finish", "journal_study", "kill_session", "one_worker", "only_run_dir",
     "plugins_env", "read_metrics", "read_scalars", "run_cli", "run_cli_here",
     "run_cli_in_process", "run_dirs", "run_printed", "session_pids", "start_cli",
     "stop_session", "summary_by_job", "sweep_cases", "wait_for", "write_cifar10", "write_corpus",
-    "write_idx", "write_imagefolder", "write_mnist",
+    "write_idx", "write_imagefolder", "write_mnist", "write_parquet_rows", "rows",
 ]

@@ -77,3 +77,28 @@ def write_corpus(path: Path, repeat: int = 40) -> Path:
     """A small text corpus of a few words (``repeat`` times 4 sentences)."""
     path.write_text("".join(f"the {w} sat on the mat. " for w in ("cat", "dog", "bird", "fox") * repeat))
     return path
+
+
+FEATURES, CLASSES = 6, 3
+
+
+def rows(n: int, seed: int) -> dict:
+    """``n`` rows: 6 features (a list column) and a class that a linear model can learn."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, FEATURES)).astype(np.float32)
+    y = (x[:, :CLASSES].argmax(1)).astype(np.int64)
+    return {"features": x.tolist(), "label": y.tolist()}
+
+
+def write_parquet_rows(path: Path, n: int = 240) -> Path:
+    """A Parquet file of ``n`` :func:`rows` (the features a fixed-size list column)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = rows(n, 0)
+    table = pa.table({"features": pa.array(data["features"], pa.list_(pa.float32(), FEATURES)),
+                      "label": pa.array(data["label"], pa.int64())})
+    pq.write_table(table, path)
+    return path

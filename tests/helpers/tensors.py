@@ -22,6 +22,20 @@ def assert_same_tensors(a, b, where: str) -> None:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
+def assert_close_grads(a: list[dict], b: list[dict], rtol: float) -> None:
+    """Each gradient of ``a`` within ``rtol`` of ``b``'s, relative to its own norm, or to
+    1e-4 of the step's whole gradient norm where it is smaller than that (the GPT's key bias
+    has a zero gradient, 1e-11 of rounding, that no two reduction orders agree on)."""
+    assert len(a) == len(b) > 0
+    for step_a, step_b in zip(a, b, strict=False):
+        assert step_a.keys() == step_b.keys()
+        total = torch.stack([g.norm() for g in step_b.values()]).norm()
+        for name in step_a:
+            x, y = step_a[name], step_b[name]
+            err = (x - y).norm() / torch.maximum(y.norm(), 1e-4 * total).clamp_min(1e-30)
+            assert err <= rtol, f"{name}: relative difference {err:.2e}"
+
+
 def small_net() -> torch.nn.Module:
     """The same small classifier (with a BatchNorm, whose buffers an average must follow)
     every time it is built."""
