@@ -54,6 +54,14 @@ def _compose(*overrides: str):
 
 @pytest.mark.parametrize("group, option", [(g, o) for g, opts in GROUPS.items() for o in opts])
 def test_every_option_composes_and_builds(group, option, tmp_path):
+    if (group, option) == ("data", "hf"):  # a dataset of real rows, written here
+        from helpers import build_trainer, write_parquet_rows
+
+        path = write_parquet_rows(tmp_path / "rows.parquet")
+        trainer = build_trainer(tmp_path, ["data=hf", f"data.path={path}", "data.input_column=features",
+                                           "data.target_column=label", "model=mlp"])
+        assert trainer.val_names[0] == "loss"
+        return
     if (group, option) in COMPANIONS:
         from helpers import build_trainer
 

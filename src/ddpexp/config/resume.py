@@ -66,7 +66,7 @@ RULES: tuple[tuple[str, str, str], ...] = (
 # Keys a run's config leaves null for the data to fill in once loaded (the classes of an
 # image folder, a text's vocabulary): the checkpoint holds the filled-in value.
 FILLED_BY_DATA = frozenset({"data.num_classes", "model.num_classes", "model.vocab_size",
-                            "task.num_classes"})
+                            "task.num_classes", "data.shape", "model.input_shape"})
 # Groups that are dicts of entries by name: adding or removing an entry is one change.
 NAMED_ENTRIES = ("callbacks", "logger")
 ABSENT = "(none)"

@@ -22,4 +22,5 @@ __getattr__, __dir__ = lazy_attributes(__name__, {
     "ImageFolder": "ddpexp.data.sources",
     "Diabetes": "ddpexp.data.sources",
     "Text": "ddpexp.data.sources",
+    "HF": "ddpexp.data.hf",
 })

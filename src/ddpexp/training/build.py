@@ -19,8 +19,9 @@ from ddpexp.runtime.dist import DistContext, seed_everything
 from ddpexp.training.probe import check_sample_shape
 
 # Model keys that a data source may only know once it has read its files (the classes of an
-# image folder, the vocabulary of a text): left null by the config, filled in after load().
-_FROM_DATA = {"num_classes": "num_classes", "vocab_size": "num_classes"}
+# image folder, the vocabulary of a text, the shape of a Hugging Face dataset's rows): left null
+# by the config, filled in after load().
+_FROM_DATA = {"num_classes": "num_classes", "vocab_size": "num_classes", "input_shape": "shape"}
 
 
 def build_parts(config: dict, trainer: TrainerConfig, ctx: DistContext) -> dict[str, Any]:
@@ -68,9 +69,12 @@ def with_data_keys(config: dict, data: DataSource) -> dict:
     config = copy.deepcopy(config)
     if config["data"].get("num_classes") is None and getattr(data, "num_classes", None):
         config["data"]["num_classes"] = data.num_classes
+    if config["data"].get("shape") is None and (shape := getattr(data, "shape", None)):
+        config["data"]["shape"] = list(shape)
     for key, attr in _FROM_DATA.items():
         if key in config["model"] and config["model"][key] is None:
-            config["model"][key] = getattr(data, attr, None)
+            value = getattr(data, attr, None)
+            config["model"][key] = list(value) if isinstance(value, tuple) else value
     if "num_classes" in config["task"] and config["task"]["num_classes"] is None:
         config["task"]["num_classes"] = config["data"].get("num_classes")
     return config
