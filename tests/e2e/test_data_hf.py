@@ -16,7 +16,9 @@ from ddpexp.errors import ConfigError
 
 
 def write_saved(path: Path) -> Path:
-    import datasets
+    from ddpexp.data.hf import datasets_module
+
+    datasets = datasets_module()
 
     parts = {name: datasets.Dataset.from_dict(rows(n, seed))
              for name, n, seed in (("train", 200, 1), ("validation", 40, 2), ("test", 40, 3))}

@@ -113,11 +113,7 @@ class HF(DataSource):
     def _read(self) -> dict[str, Any]:
         """The dataset's splits by name, memory-mapped."""
         os.environ.setdefault("HF_DATASETS_OFFLINE", "0" if self.download else "1")
-        try:
-            import datasets
-        except ImportError:
-            raise ConfigError("data=hf needs the datasets package: pip install 'ddpexp[hf]'") from None
-        datasets.disable_progress_bars()
+        datasets = datasets_module()
         if self.download:
             return _by_name(datasets.load_dataset(str(self.hub_name)))
         files = self.files
@@ -194,6 +190,21 @@ def _files(spec: Any) -> dict[str, list[str]]:
     return {split: [str(Path(str(f)).expanduser().absolute())
                     for f in ([v] if isinstance(v, (str, Path)) else list(v))]
             for split, v in items.items()}
+
+
+def datasets_module() -> Any:
+    """The ``datasets`` package, its progress bars off and tqdm's monitor thread never
+    started (a disabled bar still starts it, and a thread left behind in the process makes
+    a later fork unsafe: the sweep's fork server refuses to fork beside one)."""
+    import tqdm
+
+    tqdm.tqdm.monitor_interval = 0
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError("data=hf needs the datasets package: pip install 'ddpexp[hf]'") from None
+    datasets.disable_progress_bars()
+    return datasets
 
 
 def _by_name(splits: Any) -> dict[str, Any]:
