@@ -321,6 +321,11 @@ def describe_elastic_failure(exc: Any, oom_kills_before: int | None = None,
         lines = [line for line, echo in zip(lines, lost, strict=True) if not echo] + [
             line.split(" raised ")[0] + " lost its connection to the failed rank(s)"
             for line, echo in zip(lines, lost, strict=True) if echo]
+    causes = {_own_cause(line) for line in lines if not any(k in line for k in PEER_LOST)}
+    if len(causes) == 1 and None not in causes:
+        # One ddpexp error (a full disk, named) that the others only echo: said once, as a
+        # rank that the agent saw first would have said it.
+        return causes.pop()  # pyright: ignore[reportReturnType]  # None is not in the set (checked above)
     head = "a worker failed, so the whole run was stopped:" if len(lines) == 1 else \
         f"{len(lines)} workers failed, so the whole run was stopped:"
     text = head + "\n  " + "\n  ".join(lines)
@@ -364,6 +369,17 @@ def _own_error(failure: Any) -> str | None:
     name, _, rest = text.partition(": ")
     cls = getattr(errors, name, None)
     if isinstance(cls, type) and issubclass(cls, errors.DdpexpError) and rest:
+        return rest
+    return None
+
+
+def _own_cause(line: str) -> str | None:
+    """The message of a ddpexp error in a line of :func:`describe_elastic_failure` ("rank 1
+    (pid 7) raised ConfigError: no space left ..."), None for any other cause."""
+    _, raised, text = line.partition(" raised ")
+    name, _, rest = text.partition(": ")
+    cls = getattr(errors, name.rpartition(".")[2], None)
+    if raised and isinstance(cls, type) and issubclass(cls, errors.DdpexpError) and rest:
         return rest
     return None
 

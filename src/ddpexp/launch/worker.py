@@ -85,8 +85,9 @@ def run_worker(spec: RunSpec, store: dist.Store | None = None) -> dict | None:
         if interrupted and ctx.world_size > 1:
             dist.barrier()  # rank 0 has written metrics.json: nobody exits before that
     except OSError as exc:  # an unreadable data.root, a full disk: one message, not errno
-        _log_traceback(spec.log_file, ctx.rank)
-        raise explain_os_error(exc, spec.config["data"].get("root"), str(spec.run_dir)) from None
+        explained = explain_os_error(exc, spec.config["data"].get("root"), str(spec.run_dir))
+        _log_traceback(spec.log_file, ctx.rank, explained)
+        raise explained from None
     except Exception:
         _log_traceback(spec.log_file, ctx.rank)
         raise
@@ -109,11 +110,14 @@ def run_worker(spec: RunSpec, store: dist.Store | None = None) -> dict | None:
     return result if ctx.is_main else None
 
 
-def _log_traceback(log_file: Path, rank: int) -> None:
+def _log_traceback(log_file: Path, rank: int, explained: BaseException | None = None) -> None:
     """The full traceback goes to the run's log file; the terminal gets one line per failed
-    rank from the parent (and the traceback only with HYDRA_FULL_ERROR=1)."""
+    rank from the parent (and the traceback only with HYDRA_FULL_ERROR=1), the traceback's
+    last line, or ``explained``, the error the rank raises in its place, where there is one
+    (the parent reads a rank's cause from there when its agent saw another rank fail first)."""
+    last = f"{type(explained).__name__}: {explained}\n" if explained is not None else ""
     try:
         with open(log_file, "a") as f:
-            f.write(f"[rank{rank}] worker failed (pid {os.getpid()}):\n{traceback.format_exc()}")
+            f.write(f"[rank{rank}] worker failed (pid {os.getpid()}):\n{traceback.format_exc()}{last}")
     except OSError:
         pass
