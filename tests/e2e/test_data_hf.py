@@ -116,3 +116,28 @@ def test_bad_hf_input_is_one_message(tmp_path, overrides, message):
     with pytest.raises(ConfigError) as err:
         HF(**args).load()
     assert message.format(dir=tmp_path) in str(err.value)
+
+
+def test_json_lines_by_split_and_a_csv_file_are_read_too(tmp_path):
+    """``data_files`` by split (JSON lines: the validation split is the file's, not held out
+    of train) and one CSV file of a numeric input column (held out, classes from the ints)."""
+    import json
+
+    from ddpexp.data.hf import HF
+
+    for name, n, seed in (("train", 30, 4), ("val", 10, 5)):
+        data = rows(n, seed)
+        with open(tmp_path / f"{name}.jsonl", "w") as f:
+            for x, y in zip(data["features"], data["label"], strict=True):
+                f.write(json.dumps({"features": x, "label": y}) + "\n")
+    source = HF(data_files={"train": str(tmp_path / "train.jsonl"),
+                            "validation": str(tmp_path / "val.jsonl")},
+                input_column="features", target_column="label")
+    train, val = source.load()
+    assert (len(train), len(val)) == (30, 10)
+    assert torch.allclose(val[0][0], torch.tensor(rows(10, 5)["features"][0]))
+    (tmp_path / "rows.csv").write_text("x,y\n" + "".join(f"{i / 10},{i % 2}\n" for i in range(40)))
+    train, val = HF(path=str(tmp_path / "rows.csv")).load()
+    assert len(train) + len(val) == 40 and len(val) == 4
+    x, y = train[0]
+    assert x.dtype == torch.float32 and x.ndim == 0 and y.dtype == torch.int64
