@@ -32,8 +32,10 @@ def test_gather_schema_before_training(trainer_factory, tmp_path):
     assert s["format"] == state.FORMAT == 3
     assert set(s) == {"format", "model", "optimizer", "scheduler", "scaler", "epoch", "batch",
                       "step", "best", "metrics", "history", "callbacks", "loggers", "logger_queues", "ranks",
-                      "world_size", "layout", "global_batch", "config"}
+                      "world_size", "layout", "global_batch", "data", "config"}
     assert (s["epoch"], s["batch"], s["step"], s["world_size"], s["global_batch"]) == (0, 0, 0, 1, 8)
+    assert s["data"] == {"epoch": 0, "samples": 0, "seed": t.seed,
+                         "split_samples": len(t.train_sampler.dataset)}
     assert s["layout"] == {"strategy": "single", "dp": 1, "tp": 1}
     assert s["best"] == {"metric": "val/acc", "value": None, "epoch": None}
     assert s["scheduler"] is None and s["scaler"] is None

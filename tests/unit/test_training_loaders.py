@@ -37,7 +37,9 @@ def test_second_rank_of_three_gets_unpadded_val_shard(trainer_config):
     val = torch.cat([y for _, y in built.val_loader])
     assert torch.equal(val, ds[1].y[[1, 4]])
     assert len(built.train_sampler) == 4  # ceil(10 / 3), padded for training
-    assert built.rank_train_samples == 4 and built.batches_per_epoch == 1
+    # ... and the padding is not trained on: positions 1, 4, 7 of the epoch's 10 are rank 1's
+    assert built.rank_train_samples == 3 and built.batches_per_epoch == 1
+    assert built.epoch_samples == 10
 
 
 def test_limit_train_and_val_batches(trainer_config):

@@ -31,6 +31,8 @@ class ArrowRows(Dataset):
     """Rows of a memory-mapped Arrow table as ``(input, target)`` tensors; a batch of indices
     is read in one slice (``__getitems__``, which torch's DataLoader calls)."""
 
+    deterministic = True  # no transform: a row reads the same each time
+
     def __init__(self, table: Any, input_column: str, target_column: str):
         self.rows = table.with_format("torch", columns=[input_column, target_column])
         self.input_column, self.target_column = input_column, target_column

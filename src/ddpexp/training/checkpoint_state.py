@@ -89,6 +89,8 @@ class Checkpointable(TrainerView, Protocol):
     data: DataSource
     config: dict
     ctx: DistContext
+    seed: int
+    train_sampler: Any  # the ResumableDistributedSampler of the training split
 
 
 def gather(trainer: Checkpointable) -> dict | None:
@@ -119,10 +121,20 @@ def gather(trainer: Checkpointable) -> dict | None:
         # Samples per micro-batch over all replicas: where "batch" is in the epoch at another
         # world size or batch size.
         "global_batch": trainer.data.batch_size * trainer.strategy.dp_size,
+        "data": data_position(trainer),
         "config": trainer.config,
     }
     trainer.callbacks.fire("on_save_checkpoint", trainer, state)
     return state
+
+
+def data_position(trainer: Checkpointable) -> dict:
+    """Where the data stream is: the epoch, the samples of it all ranks have trained on, the
+    shuffle's seed and the training split's size; the epoch's order is a function of the
+    seed and the epoch alone (:class:`ddpexp.data.base.ResumableDistributedSampler`)."""
+    per_batch = trainer.data.batch_size * trainer.strategy.dp_size
+    return {"epoch": trainer.epoch, "samples": trainer.batch * per_batch, "seed": trainer.seed,
+            "split_samples": len(trainer.train_sampler.dataset)}
 
 
 def layout(trainer: Checkpointable) -> dict:
@@ -220,6 +232,7 @@ def restore(trainer: Checkpointable, state: dict, changes: Sequence[Mapping[str,
     if state.get("scaler") is not None and t.scaler.is_enabled():
         t.scaler.load_state_dict(state["scaler"])
     batch = _batch_here(state, t.data.batch_size * t.strategy.dp_size, is_main)
+    _check_split(state.get("data"), len(t.train_sampler.dataset), batch, is_main)
     t.state.load_state_dict({**state, "batch": batch})
     _hand_out("callbacks", dict(t.callbacks), callback_states(state), is_main)
     t.loggers.load_state_dict(state)
@@ -233,6 +246,18 @@ def restore(trainer: Checkpointable, state: dict, changes: Sequence[Mapping[str,
                     "afresh, so the run is not bit-identical to an uninterrupted one",
                     state["world_size"], t.world_size)
     return _apply_changes(t, state, changes, fresh)
+
+
+def _check_split(saved: Mapping[str, Any] | None, samples: int, batch: int, is_main: bool) -> None:
+    """One warning where the training split is not the size it was when the checkpoint was
+    written (files added or taken away under the same config): the epoch's order is then
+    another, and the rest of it not the samples the run had left."""
+    if not saved or saved.get("split_samples") in (None, samples) or not is_main:
+        return
+    log.warning("the training split has %d samples, the checkpoint's run had %d: the data "
+                "changed, so the rest of epoch %d is another order%s", samples,
+                saved["split_samples"], saved["epoch"],
+                ", and some samples of it may be seen twice or not at all" if batch else "")
 
 
 def _batch_here(state: dict, global_batch: int, is_main: bool) -> int:

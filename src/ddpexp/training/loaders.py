@@ -5,6 +5,7 @@ exactly once whatever the world size; and its batches on the device."""
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Mapping, Sequence, Sized
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -19,6 +20,8 @@ from ddpexp.runtime.dist import DistContext, derive_seed
 if TYPE_CHECKING:
     from ddpexp.strategies.base import Strategy
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class Loaders:
@@ -27,7 +30,8 @@ class Loaders:
     train_sampler: ResumableDistributedSampler
     train_loader: Any
     batches_per_epoch: int  # the epoch's length on this rank (limit/overfit applied)
-    rank_train_samples: int  # samples this rank trains on per epoch
+    rank_train_samples: int  # samples this rank trains on per epoch (its padding left out)
+    epoch_samples: int  # samples all data-parallel ranks together train on per epoch
     val_ds: Dataset
     val_loader: Any
     test_ds: Dataset | None
@@ -44,6 +48,7 @@ def build(t: TrainerConfig, ctx: DistContext, data: DataSource, datasets: Sequen
     rank, replicas = _shard(ctx, strategy)
     sampler = ResumableDistributedSampler(train_ds, num_replicas=replicas, rank=rank,
                                           shuffle=overfit is None, seed=seed, drop_last=False)
+    _warn_readers(ctx, data, train_ds, replicas)
     # Seeded by the shard: ranks that share one (a model-parallel group) draw the same batches.
     rank_seed = derive_seed(seed, rank)
     train_loader = data.loader(train_ds, sampler, seed=rank_seed, on_gpu=on_gpu, train=True)
@@ -56,10 +61,24 @@ def build(t: TrainerConfig, ctx: DistContext, data: DataSource, datasets: Sequen
         val_ds = Subset(train_ds, range(trained))
     return Loaders(
         train_sampler=sampler, train_loader=train_loader, batches_per_epoch=batches,
-        rank_train_samples=min(len(sampler), batches * data.batch_size),
+        rank_train_samples=min(sampler.real_samples, batches * data.batch_size),
+        epoch_samples=min(len(cast(Sized, train_ds)), batches * data.batch_size * replicas),
         val_ds=val_ds, val_loader=eval_loader(t, ctx, data, val_ds, rank_seed, strategy),
         test_ds=datasets[2] if len(datasets) > 2 else None, rank_seed=rank_seed,
     )
+
+
+def _warn_readers(ctx: DistContext, data: DataSource, train_ds: Dataset, replicas: int) -> None:
+    """One warning where sharded data has fewer shards than readers (ranks x loader workers),
+    saying how its samples are dealt out instead."""
+    shards = getattr(train_ds, "shard_count", None)
+    readers = replicas * max(1, data.num_workers)
+    if shards is None or readers <= shards or not ctx.is_main:
+        return
+    log.warning("%d data-parallel ranks x %d loader workers = %d readers of %d training shards: "
+                "the samples are dealt out by global batch, not by shard, so each is still read "
+                "once an epoch, and the readers share shards", replicas, max(1, data.num_workers),
+                readers, shards)
 
 
 def eval_loader(t: TrainerConfig, ctx: DistContext, data: DataSource, dataset: Dataset,
@@ -92,6 +111,31 @@ class FirstBatches:
 
     def __len__(self) -> int:
         return min(self.limit, len(self.loader))
+
+
+def own_message(exc: Exception) -> Exception:
+    """``exc`` as its raiser wrote it: a DataLoader worker's error reaches the training
+    process carrying the worker's whole traceback as its message, of which the last line
+    is the error itself."""
+    text = str(exc)
+    if "Original Traceback" not in text:
+        return exc
+    last = text.rstrip().splitlines()[-1]
+    prefix = f"{type(exc).__module__}.{type(exc).__qualname__}: "
+    return type(exc)(last[len(prefix):] if last.startswith(prefix) else last)
+
+
+def first_samples(batch: Any, n: int, size: int) -> Any:
+    """The first ``n`` samples of ``batch`` (``size`` of them): every tensor in it whose first
+    dimension is ``size`` cut to ``n``, in any nesting of tuples, lists and dicts."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:n] if batch.dim() and batch.shape[0] == size else batch
+    if isinstance(batch, Mapping):
+        return type(batch)((k, first_samples(v, n, size)) for k, v in batch.items())  # pyright: ignore[reportCallIssue]  # as in to_device
+    if isinstance(batch, (list, tuple)):
+        cut = [first_samples(v, n, size) for v in batch]
+        return type(batch)(*cut) if hasattr(batch, "_fields") else type(batch)(cut)
+    return batch
 
 
 def to_device(batch: Any, device: torch.device, memory_format: torch.memory_format) -> Any:

@@ -39,7 +39,7 @@ from ddpexp.config.resume import shown
 from ddpexp.config.schema import TrainerConfig, trainer_of
 from ddpexp.config.spec import RunSpec
 from ddpexp.data.base import DataSource
-from ddpexp.errors import ConfigError
+from ddpexp.errors import ConfigError, DdpexpError
 from ddpexp.loggers import RunInfo, run_name
 from ddpexp.loggers.collection import Loggers
 from ddpexp.record import FINISHED, read_metrics_or_empty, write_metrics
@@ -118,6 +118,7 @@ class Trainer(CallbackSurface):
         built = loaders.build(cfg, ctx, data, datasets, seed, self.strategy)
         self.train_sampler, self.train_loader = built.train_sampler, built.train_loader
         self.batches_per_epoch, self.rank_train_samples = built.batches_per_epoch, built.rank_train_samples
+        self.epoch_samples = built.epoch_samples
         self.val_ds, self.val_loader, self.test_ds = built.val_ds, built.val_loader, built.test_ds
         self.rank_seed = built.rank_seed
         self._init_state()
@@ -303,9 +304,9 @@ class Trainer(CallbackSurface):
         for i, batch in enumerate(self._fetching(batches), start=self.batch):
             if i >= group_end:  # the first micro-batch of an optimizer step
                 group_end = min(i + accumulate, self.batches_per_epoch)
-                group_samples = min(self.rank_train_samples - i * bs, (group_end - i) * bs)
+                group_samples = self._mean_share(i, group_end)
             last_micro = i + 1 == group_end
-            self._run_batch(batch, last_micro, group_samples)
+            self._run_batch(batch, last_micro, group_samples, self.rank_train_samples - i * bs)
             if not last_micro:
                 continue
             self.state.batch = i + 1
@@ -334,6 +335,8 @@ class Trainer(CallbackSurface):
                 batch = next(it)
             except StopIteration:
                 return
+            except DdpexpError as exc:  # raised in a loader worker: its own message, once
+                raise loaders.own_message(exc) from None
             yield batch
 
     def autocast(self):
@@ -347,12 +350,30 @@ class Trainer(CallbackSurface):
         :func:`ddpexp.training.loaders.to_device`)."""
         return loaders.to_device(batch, self.device, self.memory_format)
 
-    def _run_batch(self, batch: Any, last_micro: bool, group_samples: int) -> None:
+    def _mean_share(self, first: int, end: int) -> float:
+        """The samples of micro-batches ``first`` to ``end`` (an optimizer step) over all
+        data-parallel ranks, divided by their number: what one rank's loss is weighted
+        against, so that ranks of unequal shares (an epoch the world size does not divide)
+        give the mean gradient of all the step's samples."""
+        per_step = self.data.batch_size * self.strategy.dp_size
+        total = min(self.epoch_samples - first * per_step, (end - first) * per_step)
+        shares = self.strategy.dp_size
+        return total // shares if total % shares == 0 else total / shares
+
+    def _run_batch(self, batch: Any, last_micro: bool, group_samples: float, real: int) -> None:
         """Forward and backward of one micro-batch. The task's mean loss is weighted by the
         micro-batch's share of the optimizer step's samples, so that accumulating N batches
-        of B gives the gradient of one batch of N*B (and an uneven last batch counts right)."""
+        of B gives the gradient of one batch of N*B (and an uneven last batch counts right).
+        ``real``: this rank's samples left in the epoch; beyond them the batch is the
+        sampler's padding, cut off here (a batch of padding alone counts nothing)."""
         batch = self.to_device(batch)
         n = self.task.batch_size(batch)
+        if real < n:
+            cut = loaders.first_samples(batch, real, n) if real > 0 else None
+            if cut is not None and self.task.batch_size(cut) == real:
+                batch, n = cut, real
+            elif real <= 0:
+                n = 0  # every rank steps alike: this one's loss counts for nothing
         try:
             with self.strategy.no_sync(self.model, last_micro):
                 self.beat.mark(FORWARD, self.step)
@@ -369,7 +390,8 @@ class Trainer(CallbackSurface):
                 "by default. Set trainer.find_unused_parameters=true (or use every "
                 "parameter in forward)"
             ) from exc
-        self.train_means.add(out, n, type(self.task).__name__, "training_step")
+        if n:
+            self.train_means.add(out, n, type(self.task).__name__, "training_step")
 
     def _optimizer_step(self, log_now: bool) -> None:
         self.beat.mark(OPTIMIZER, self.step)
