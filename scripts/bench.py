@@ -49,6 +49,7 @@ sweeper in batches of ``max_parallel`` (how a batch sweeper such as hydra-optuna
     python scripts/bench.py --cases gaps       # the search's slot gaps over 8 and 32 trials
     python scripts/bench.py --cases scale      # per-job cost of 8-, 32- and 64-job sweeps
     python scripts/bench.py --cases find       # a find lr step against a training step
+    python scripts/bench.py --cases data       # streaming readers, and the loop fed by them
 """
 
 from __future__ import annotations
@@ -1161,12 +1162,21 @@ def find_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str:
         f"(target <= 1.1): {'met' if statistics.median(ratios) <= 1.1 else 'missed'}"])
 
 
+def data_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str:
+    """scripts/data_bench.py: the readers considered for data=shards, and the loop fed by
+    augmented shards against pre-loaded tensors."""
+    import data_bench as cases
+
+    return cases.data_bench(quick, repeats, env, timeout)
+
+
+DATA = "data"
 # Cases that run commands of their own and print their own table: name -> the bench.
 OWN_CASES: dict[str, Callable[[bool, int, dict, float], str]] = {
     SEARCH: search_bench, FSDP: fsdp_bench,
     TP: functools.partial(fsdp_bench, layouts=("ddp", "fsdp", "tp")), LOGGERS: loggers_bench, LAUNCHERS: launchers_bench,
     GAPS: gaps_bench, SAVE: save_bench, SCALE: scale_bench, DEFAULTS: defaults_bench,
-    FIND: find_bench,
+    FIND: find_bench, DATA: data_bench,
     **{f"{SAVE}-{s}": functools.partial(save_bench, strategies=(s,)) for s in SAVE_STRATEGIES}}
 
 
@@ -1183,7 +1193,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "trainer.async_save on and off, one process and fsdp over 2 workers "
                         "(save-single, save-fsdp: one of them), scale: sweeps of 8, 32 and 64 tiny jobs, "
                         "defaults: the tiny MLP over epochs at ddpexp's defaults and with each "
-                        "off, "
+                        "off, data: streaming readers and the loop fed by augmented shards, "
                         "each only when named)")
     p.add_argument("--peers", action="store_true",
                    help="add Lightning (scripts/lightning_ddp.py) where it is installed")

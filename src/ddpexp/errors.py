@@ -21,6 +21,10 @@ class CheckpointError(DdpexpError):
     """A checkpoint that cannot be read safely (corrupt, truncated, or unsafe pickles)."""
 
 
+class DataError(DdpexpError):
+    """Data that cannot be read once the run is under way (a shard gone, cut or unreadable)."""
+
+
 class RunFailed(DdpexpError):
     """A worker died, raised or stalled; the message names the rank and the cause."""
 

@@ -40,6 +40,7 @@ from helpers.files import (
                          write_imagefolder,
                          write_mnist,
                          write_parquet_rows,
+                         write_shards,
 )
 from helpers.sweeps import journal_study, summary_by_job, sweep_cases
 from helpers.tensors import assert_close_grads, assert_same_tensors
@@ -50,5 +51,5 @@ __all__ = [
     "plugins_env", "read_metrics", "read_scalars", "run_cli", "run_cli_here",
     "run_cli_in_process", "run_dirs", "run_printed", "session_pids", "start_cli",
     "stop_session", "summary_by_job", "sweep_cases", "wait_for", "write_cifar10", "write_corpus",
-    "write_idx", "write_imagefolder", "write_mnist", "write_parquet_rows", "rows",
+    "write_idx", "write_imagefolder", "write_mnist", "write_parquet_rows", "write_shards", "rows",
 ]

@@ -62,6 +62,13 @@ def test_every_option_composes_and_builds(group, option, tmp_path):
                                            "data.target_column=label", "model=mlp"])
         assert trainer.val_names[0] == "loss"
         return
+    if (group, option) == ("data", "shards"):  # tar shards, written here
+        from helpers import build_trainer, write_shards
+
+        root = write_shards(tmp_path / "shards", shards=2, per_shard=8)
+        trainer = build_trainer(tmp_path, ["data=shards", f"data.path={root}", "model=mlp"])
+        assert trainer.val_names[0] == "loss"
+        return
     if (group, option) in COMPANIONS:
         from helpers import build_trainer
 

@@ -23,4 +23,5 @@ __getattr__, __dir__ = lazy_attributes(__name__, {
     "Diabetes": "ddpexp.data.sources",
     "Text": "ddpexp.data.sources",
     "HF": "ddpexp.data.hf",
+    "Shards": "ddpexp.data.shards",
 })
