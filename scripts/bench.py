@@ -513,6 +513,109 @@ def slot_gaps(output: str) -> list[float]:
     return gaps
 
 
+_JOB_CLOCK = """
+import json, time
+from ddpexp import Callback
+
+class JobClock(Callback):
+    # The job's own clock (epoch seconds): trainer built, first step ended, fit ended.
+    def setup(self, trainer):
+        self.times = {"built": time.time()}
+
+    def on_train_batch_end(self, trainer):
+        self.times.setdefault("first", time.time())
+
+    def on_fit_end(self, trainer, result):
+        self.times["last"] = time.time()
+        if trainer.is_main:
+            (trainer.run_dir / "job_clock.json").write_text(json.dumps(self.times))
+"""
+JOB_CLOCK = ["+callbacks.jobclock._target_=bench_job_clock.JobClock"]
+
+
+def with_job_clock(env: dict, where: Path) -> dict:
+    """``env`` with the JobClock callback importable (a module written into ``where``)."""
+    (where / "bench_job_clock.py").write_text(_JOB_CLOCK)
+    return {**env, "PYTHONPATH": os.pathsep.join([str(where), env.get("PYTHONPATH", "")])}
+
+
+def job_times(run_dir: Path) -> dict[str, float] | None:
+    """When a sweep job did what, read from what it left in its run dir (epoch seconds):
+    ``start`` (its process started: metrics.json's mtime less its wall_time_s), ``hydra``
+    (Hydra's job set-up wrote .hydra/config.yaml), ``built`` (the trainer built: data, model,
+    probe), ``first`` (its first optimizer step ended), ``last`` (its fit ended: the last
+    result), the three from the JobClock callback's job_clock.json, and ``recorded`` (its
+    parent wrote the final record, after every worker ended: metrics.json's mtime). None for
+    a job that left no clock."""
+    record = run_dir / "metrics.json"
+    try:
+        metrics = json.loads(record.read_text())
+        clock = json.loads((run_dir / "job_clock.json").read_text())
+    except (OSError, ValueError):
+        return None
+    recorded = record.stat().st_mtime
+    return {"start": recorded - float(metrics["wall_time_s"]),
+            "hydra": (run_dir / ".hydra" / "config.yaml").stat().st_mtime, **clock,
+            "recorded": recorded, "job": float(run_dir.name) if run_dir.name.isdigit() else -1}
+
+
+def between_jobs(run_dirs: Sequence[Path], slots: int,
+                 ended: dict[int, float] | None = None) -> list[dict[str, float]]:
+    """What each job after the first ``slots`` cost its slot between jobs, from the run dirs:
+    from the ended job's last result to this job's first step (``total``), as ``teardown``
+    (the last result to the ended job's final record: loggers closed, workers ended),
+    ``handover`` (that record to this job's process start: the ended job's exit, the
+    launcher seeing it, the fork), ``setup`` (process start to .hydra/config.yaml: Hydra's
+    job set-up), ``build`` (to the trainer built: data, model, probe) and ``first_step``.
+    A job's slot is that of the job that ended last before it started (the others were
+    busy). ``ended``: when the launcher logged each job's end (by job number), which splits
+    the hand-over into ``exit`` (the record to the launcher seeing the process end: the
+    job's own teardown) and ``launch`` (from there to the next process start)."""
+    jobs = sorted((t for t in map(job_times, run_dirs) if t is not None), key=lambda t: t["start"])
+    free = sorted(jobs[:slots], key=lambda t: t["recorded"])
+    out = []
+    for job in jobs[slots:]:
+        done = [t for t in free if t["recorded"] <= job["start"]] or free[:1]
+        before = max(done, key=lambda t: t["recorded"])
+        free.remove(before)
+        free.append(job)
+        out.append({"total": job["first"] - before["last"],
+                    "teardown": before["recorded"] - before["last"],
+                    "handover": job["start"] - before["recorded"],
+                    "setup": job["hydra"] - job["start"], "build": job["built"] - job["hydra"],
+                    "first_step": job["first"] - job["built"]})
+        seen = (ended or {}).get(int(before["job"]))
+        if seen is not None:
+            out[-1].update(exit=seen - before["recorded"], launch=job["start"] - seen)
+    return out
+
+
+def between_table(name: str, parts: list[dict[str, float]], log_gaps: list[float]) -> list[str]:
+    """One row of the between-jobs table: medians of each part, and the launcher-log gap."""
+    def med(key: str) -> str:
+        values = [p[key] for p in parts if key in p]
+        return f"{statistics.median(values):.3f}" if values else "-"
+
+    return [f"| {name} | {med('total')} | {max(p['total'] for p in parts):.3f} | "
+            f"{med('teardown')} | {med('handover')} ({med('exit')} + {med('launch')}) | "
+            f"{med('setup')} | {med('build')} | {med('first_step')} | "
+            f"{f'{statistics.median(log_gaps):.3f}' if log_gaps else '-'} | {len(parts)} |"]
+
+
+BETWEEN_HEADER = ["| sweep | last result to next first step, median s | largest s | fit end to "
+                  "final record s | record to next process start s (job exit + launch) | "
+                  "Hydra set-up s | build s | first step s | launcher-log gap s | gaps |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+
+
+def job_ends(output: str) -> dict[int, float]:
+    """When the launcher logged each job's end, by job number."""
+    from datetime import datetime
+
+    return {int(m.group(2)): datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            for m in JOB_END.finditer(output)}
+
+
 def gaps_bench(quick: bool, repeats: int, env: dict, timeout: float, slots: int = 2) -> str:
     """The search's slot gaps: optuna_async searches of one-epoch trials (random sampler over
     lr and batch size, the default digits data) of 8 and of 32 trials on ``slots`` slots; the
@@ -520,30 +623,35 @@ def gaps_bench(quick: bool, repeats: int, env: dict, timeout: float, slots: int 
     sizes = [4] if quick else [8, 32]
     lines = [f"gaps: optuna_async, one-epoch trials on digits, {slots} slots, {repeats} run(s)",
              "", "| trials | median gap s | largest gap s | gaps |", "|---|---|---|---|"]
+    between = [""] + BETWEEN_HEADER
     with tempfile.TemporaryDirectory(prefix="ddpexp-bench-gaps-") as tmp:
         for n in sizes:
             gaps: list[float] = []
+            parts: list[dict[str, float]] = []
             for r in range(repeats):
                 out = Path(tmp) / f"{n}-{r}"
-                cmd = [sys.executable, "-m", "ddpexp", "-m", "hydra/sweeper=optuna_async",
+                cmd = [sys.executable, "-m", "ddpexp", "-m", "hydra/sweeper=optuna_async", *JOB_CLOCK,
                        f"hydra.sweeper.n_trials={n}", "hydra.sweeper.sampler.name=random",
                        f"hydra.sweeper.sampler.seed={r}", f"hydra.launcher.max_parallel={slots}",
                        "optimizer.lr=choice(0.01,0.03,0.1)", "data.batch_size=choice(64,128)",
                        "trainer.max_epochs=1", "trainer.test=false", "trainer.progress_bar=false",
                        "trainer.log_every_n_steps=100000", f"hydra.sweep.dir={out}"]
-                proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True,
-                                      timeout=timeout, check=False)
+                proc = subprocess.run(cmd, cwd=tmp, env=with_job_clock(env, Path(tmp)),
+                                      capture_output=True, text=True, timeout=timeout, check=False)
                 if proc.returncode != 0:
                     raise SystemExit(f"exit {proc.returncode}: {' '.join(cmd)}\n"
                                      f"{proc.stdout}{proc.stderr}")
                 found = slot_gaps(proc.stdout + proc.stderr)
                 gaps += found
+                parts += between_jobs([d.parent.parent for d in out.glob("*/.hydra/config.yaml")],
+                                      slots, job_ends(proc.stdout + proc.stderr))
                 print(f"[{r + 1}/{repeats}] gaps     {n:3d} trials  median "
                       f"{_fmt(statistics.median(found), 3)} s  largest {_fmt(max(found), 3)} s",
                       file=sys.stderr, flush=True)
             lines.append(f"| {n} | {statistics.median(gaps):.3f} | {max(gaps):.3f} | "
                          f"{len(gaps)} |")
-    return "\n".join(lines)
+            between += between_table(f"{n} trials", parts, gaps)
+    return "\n".join(lines + between)
 
 
 # ---------------------------------------------------------------------- the scale case
@@ -651,19 +759,23 @@ def launchers_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str
     variants = _launcher_variants(quick)
     walls: dict[str, list[float]] = {name: [] for name in variants}
     overheads: list[float] = []
+    parts: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory(prefix="ddpexp-bench-launchers-") as tmp:
         for r in range(repeats):
             names = list(variants) if r % 2 == 0 else list(variants)[::-1]
             for name in names:
                 out = Path(tmp) / f"{name.split()[0]}-{r}"
-                cmd = [sys.executable, "-m", "ddpexp", "-m", *sweep, *variants[name],
+                cmd = [sys.executable, "-m", "ddpexp", "-m", *sweep, *variants[name], *JOB_CLOCK,
                        f"hydra.sweep.dir={out}"]
-                _, wall, _ = run_command(cmd, Path(tmp), env, timeout)
+                _, wall, _ = run_command(cmd, Path(tmp), with_job_clock(env, Path(tmp)), timeout)
                 walls[name].append(wall)
                 if name.startswith("ddp"):
                     with open(out / "summary.csv", newline="") as f:
                         overheads += [float(row["wall_time_s"]) - float(row["train_time_s"])
                                       for row in csv.DictReader(f)]
+                if name == "ddp (defaults)":
+                    dirs = [d.parent.parent for d in out.glob("*/.hydra/config.yaml")]
+                    parts += between_jobs(dirs, os.cpu_count() or 1)
                 print(f"[{r + 1}/{repeats}] launchers {name:15s} wall {wall:.1f}s",
                       file=sys.stderr, flush=True)
     jobs = 1
@@ -686,6 +798,9 @@ def launchers_bench(quick: bool, repeats: int, env: dict, timeout: float) -> str
               f"{'met' if worst < 1.0 else 'NOT met'})"]
     if "joblib" not in walls:
         lines.append("skipped: joblib (hydra-joblib-launcher is not installed)")
+    if parts:
+        lines += ["", "between jobs, from the run dirs (ddp launcher at its defaults):", "",
+                  *BETWEEN_HEADER, *between_table(f"{jobs} jobs", parts, [])]
     return "\n".join(lines)
 
 
