@@ -100,3 +100,19 @@ def test_first_samples_cut_every_tensor_of_the_batch():
     cut = first_samples(batch, 2, 5)
     assert cut["x"].shape == (2, 2) and torch.equal(cut["y"][0], torch.arange(2))
     assert cut["y"][1].item() == 3.0
+
+
+def test_the_last_step_of_an_uneven_epoch_weights_each_sample_once():
+    """99 samples at 2 ranks of 8: the last step holds 3, so each rank's loss is weighted
+    against 1.5 (rank 0's 2 samples count 2/1.5, rank 1's one 1/1.5: the mean of all 3); 97
+    samples leave rank 1 nothing at the last step: its batch of padding counts 0."""
+    from ddpexp.training.loaders import mean_share, without_padding
+
+    assert mean_share(99, 8, 2, 0, 1) == 8 and mean_share(99, 8, 2, 6, 7) == 1.5
+    assert mean_share(96, 8, 2, 0, 6) == 48  # an optimizer step of 6 micro-batches
+    batch = (torch.arange(8), torch.arange(8) * 2)
+    cut, n = without_padding(batch, 1, 8, lambda b: len(b[0]))
+    assert n == 1 and torch.equal(cut[1], torch.tensor([0]))
+    assert without_padding(batch, 0, 8, lambda b: len(b[0]))[1] == 0
+    # A batch whose count the cut does not change (its samples are not along dim 0) stays whole.
+    assert without_padding(batch, 3, 8, lambda b: 8) == (batch, 8)

@@ -125,6 +125,27 @@ def own_message(exc: Exception) -> Exception:
     return type(exc)(last[len(prefix):] if last.startswith(prefix) else last)
 
 
+def mean_share(epoch_samples: int, batch_size: int, shares: int, first: int, end: int) -> float:
+    """The samples of micro-batches ``first`` to ``end`` (an optimizer step) over all
+    ``shares`` data-parallel ranks, divided by their number: what one rank's loss is weighted
+    against, so that ranks of unequal shares (an epoch the world size does not divide) give
+    the mean gradient of all the step's samples."""
+    per_step = batch_size * shares
+    total = min(epoch_samples - first * per_step, (end - first) * per_step)
+    return total // shares if total % shares == 0 else total / shares
+
+
+def without_padding(batch: Any, real: int, size: int, count: Any) -> tuple[Any, int]:
+    """``batch`` (``size`` samples, of which the first ``real`` are the epoch's, the rest the
+    sampler's padding) and the samples it counts for: cut to ``real`` where ``count`` (the
+    task's batch_size) agrees with the cut; a batch of padding alone counts 0, so that its
+    rank steps with the others and its loss counts for nothing."""
+    if real <= 0:
+        return batch, 0
+    cut = first_samples(batch, real, size)
+    return (cut, real) if count(cut) == real else (batch, size)
+
+
 def first_samples(batch: Any, n: int, size: int) -> Any:
     """The first ``n`` samples of ``batch`` (``size`` of them): every tensor in it whose first
     dimension is ``size`` cut to ``n``, in any nesting of tuples, lists and dicts."""

@@ -304,7 +304,8 @@ class Trainer(CallbackSurface):
         for i, batch in enumerate(self._fetching(batches), start=self.batch):
             if i >= group_end:  # the first micro-batch of an optimizer step
                 group_end = min(i + accumulate, self.batches_per_epoch)
-                group_samples = self._mean_share(i, group_end)
+                group_samples = loaders.mean_share(self.epoch_samples, bs, self.strategy.dp_size,
+                                                   i, group_end)
             last_micro = i + 1 == group_end
             self._run_batch(batch, last_micro, group_samples, self.rank_train_samples - i * bs)
             if not last_micro:
@@ -350,16 +351,6 @@ class Trainer(CallbackSurface):
         :func:`ddpexp.training.loaders.to_device`)."""
         return loaders.to_device(batch, self.device, self.memory_format)
 
-    def _mean_share(self, first: int, end: int) -> float:
-        """The samples of micro-batches ``first`` to ``end`` (an optimizer step) over all
-        data-parallel ranks, divided by their number: what one rank's loss is weighted
-        against, so that ranks of unequal shares (an epoch the world size does not divide)
-        give the mean gradient of all the step's samples."""
-        per_step = self.data.batch_size * self.strategy.dp_size
-        total = min(self.epoch_samples - first * per_step, (end - first) * per_step)
-        shares = self.strategy.dp_size
-        return total // shares if total % shares == 0 else total / shares
-
     def _run_batch(self, batch: Any, last_micro: bool, group_samples: float, real: int) -> None:
         """Forward and backward of one micro-batch. The task's mean loss is weighted by the
         micro-batch's share of the optimizer step's samples, so that accumulating N batches
@@ -368,12 +359,8 @@ class Trainer(CallbackSurface):
         sampler's padding, cut off here (a batch of padding alone counts nothing)."""
         batch = self.to_device(batch)
         n = self.task.batch_size(batch)
-        if real < n:
-            cut = loaders.first_samples(batch, real, n) if real > 0 else None
-            if cut is not None and self.task.batch_size(cut) == real:
-                batch, n = cut, real
-            elif real <= 0:
-                n = 0  # every rank steps alike: this one's loss counts for nothing
+        if real < n:  # the sampler's padding: cut off, or (nothing real left) weighted 0
+            batch, n = loaders.without_padding(batch, real, n, self.task.batch_size)
         try:
             with self.strategy.no_sync(self.model, last_micro):
                 self.beat.mark(FORWARD, self.step)
