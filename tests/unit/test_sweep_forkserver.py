@@ -3,6 +3,8 @@ command lines start it, and that one no sweep takes ends at once."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from ddpexp.sweep import forkserver
@@ -75,3 +77,47 @@ def test_a_launcher_that_does_not_fork_ends_it(early):
     sweep.prepare()
     assert sweep._server is None and forkserver._EARLY is None
     assert early.proc.poll() is not None
+
+
+def test_a_child_s_exit_wakes_the_launcher_that_waits_for_it(tmp_path, monkeypatch):
+    """The launcher frees a slot on the exit the server tells, not at its next poll."""
+    (tmp_path / "ends_with_3.py").write_text("def main():\n    return 3\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    server = forkserver.ForkServer(["ends_with_3"], torch=False)
+    server.start()
+    try:
+        server.wait_ready(timeout=60)
+        assert server.broken is None
+        told = server.exits_told
+        job = server.spawn(tmp_path / "spec", tmp_path / "result", dict(os.environ),
+                           call="ends_with_3:main")
+        assert job is not None
+        server.wait_exit(told, timeout=60)
+        assert server.exits_told == told + 1 and job.poll() == 3
+    finally:
+        server.close()
+
+
+def test_a_forked_job_keeps_the_servers_plugins_unless_its_path_adds_to_it():
+    """restore_hydra: the launcher's Singleton state, the plugins discovered once (in the
+    server) where the job's import path is the server's, discovered again where it is not."""
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.plugins import Plugins
+    from hydra.core.singleton import Singleton
+
+    from ddpexp.sweep.job import restore_hydra
+
+    saved = Singleton.get_state()
+    scanned = Plugins.instance()
+    store = ConfigStore.instance()
+    store.store(name="only_in_the_launcher", node={"a": 1})
+    state = Singleton.get_state()
+    try:
+        restore_hydra(state, rescan=False)
+        assert Plugins.instance() is scanned
+        assert "only_in_the_launcher.yaml" in ConfigStore.instance().list("")
+        restore_hydra(state, rescan=True)
+        assert Plugins.instance() is not scanned
+        assert "only_in_the_launcher.yaml" in ConfigStore.instance().list("")
+    finally:
+        Singleton.set_state(saved)

@@ -77,16 +77,23 @@ def launch(sweep: Sweep | None, job_overrides: Sequence[Sequence[str]],
     failed = any(j.ret is not None and j.outcome == "failed" for j in jobs)
     fail_fast = sweep.settings.fail_fast
     with Driver(sweep, backend) as driver:
+
+        def fill() -> bool:
+            """Start waiting jobs while they fit; False once no more may start."""
+            if driver.stopped or (fail_fast and failed):
+                return False
+            while pending and driver.start(pending[0]):
+                pending.pop(0)
+            return True
+
         while pending or driver.running:
-            if not driver.stopped and not (fail_fast and failed):
-                while pending and driver.start(pending[0]):
-                    pending.pop(0)
-            elif not driver.running:
+            if not fill() and not driver.running:
                 break
             ended = driver.wait_any()
             for job in ended:
                 failed = failed or job.outcome == "failed"
             if ended:
+                fill()  # the freed slots first: the table's rewrite can wait
                 summarize(sweep.hydra.outcomes, jobs, sweep_dir, final=False)
     reason = (f"not run: the sweep was stopped by {driver.stopped}" if driver.stopped else
               "not run: an earlier job failed and hydra.launcher.fail_fast=true")

@@ -12,6 +12,12 @@ in a process group of its own, takes the launcher's environment for the job (its
 counts), resets the signal handlers and runs :func:`ddpexp.sweep.job.main`, which sets the
 job's CPU affinity, and the worker its thread count, before any tensor op.
 
+Beyond importing, the server does once what each job's Hydra set-up would do first:
+it discovers Hydra's plugins and parses a few overrides (pure Python, which builds the
+override grammar's tables), so that a forked job pays for neither. A child's end wakes its
+loop at once (SIGCHLD), and the launcher waits on the exit it is told, not on a poll: the
+slot it frees is given to the next job as the last one ends.
+
 What makes the fork safe: the server runs no tensor op, queries no device, and starts no
 thread. Before every fork it checks that it has one Python thread and no more native
 threads than it had right after its imports (the thread pools that numpy's and SciPy's
@@ -56,6 +62,17 @@ PRELOAD = (
     "ddpexp.training.trainer",
     "ddpexp.data.sources",
     "ddpexp.loggers",
+    "ddpexp.modes.train",
+    "ddpexp.training.build",
+    "ddpexp.strategies.blocks",
+    "ddpexp.report.rows",
+    "hydra._internal.logging_config",
+    # What TensorBoard's hparams summary and a checkpoint's save import on first use.
+    "tensorboard.plugins.hparams.api_pb2",
+    "tensorboard.plugins.hparams.metadata",
+    "torch.utils.serialization",
+    "numpy.ma",
+    "resource",
 )
 # The argument that tells the server to import BASE and the caller's modules only.
 LIGHT = "--light"
@@ -90,19 +107,33 @@ def serve(requests: int, replies: int, preload: Sequence[str]) -> int:
 
     light = LIGHT in preload
     modules = [*BASE, *([] if light else PRELOAD), *(m for m in preload if m != LIGHT)]
+    what = "starting"
     try:
         for name in modules:
+            what = f"importing {name}"
             importlib.import_module(name)
+        what = "discovering Hydra's plugins"
+        _warm()
     except Exception as exc:
-        say({"failed": f"importing {name} raised {type(exc).__name__}: {exc}"})
+        say({"failed": f"{what} raised {type(exc).__name__}: {exc}"})
         return 1
     baseline = native_threads()
+    # A child's end wakes the loop at once (its exit is what frees the launcher's slot).
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
     say({"ready": os.getpid(), "threads": baseline})
     pending = b""
     while True:
-        ready, _, _ = select.select([requests], [], [], 0.05)
+        try:
+            ready, _, _ = select.select([requests, wake_r], [], [], 1.0)
+        except InterruptedError:
+            ready = []
+        if wake_r in ready:
+            os.read(wake_r, 4096)
         _reap(say)
-        if not ready:
+        if requests not in ready:
             continue
         data = os.read(requests, 1 << 16)
         if not data:
@@ -117,6 +148,10 @@ def serve(requests: int, replies: int, preload: Sequence[str]) -> int:
                 continue
             pid = os.fork()
             if pid == 0:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                os.close(wake_r)
+                os.close(wake_w)
                 _child(request, requests, out)
             # The child does the same: whichever runs first, the group exists before the
             # launcher can signal it.
@@ -125,6 +160,22 @@ def serve(requests: int, replies: int, preload: Sequence[str]) -> int:
             except OSError:
                 pass  # the child has ended already
             say({"id": request["id"], "pid": pid})
+
+
+def _warm() -> None:
+    """What every job's Hydra set-up would do first, done once here: discover Hydra's
+    plugins (their modules imported; a child whose import path is the server's keeps the
+    result, :func:`ddpexp.sweep.job.restore_hydra`) and parse overrides once, which builds
+    the override grammar's tables (the first parse in a process costs tens of ms)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.plugins import Plugins
+
+    Plugins.instance()
+    OverridesParser.create().parse_overrides(
+        ["seed=0", "optimizer.lr=0.001", "data.batch_size=32", "trainer.test=false",
+         "model=convnet", "+callbacks.a_b._target_=pkg.mod.Cls", "~c",
+         "hydra.sweep.dir=/tmp/Ab_c-9/2026-01-01_00-00-00", "e=[1,2.5e-3]", "f={g:h}",
+         "i=choice(1,2)", "j=null", "k='l m'", 'l="m n"', "m=${n.o}"])
 
 
 def _unsafe(baseline: int) -> str | None:
@@ -222,6 +273,7 @@ class ForkServer:
         self._lock = threading.Condition()
         self._replies: dict[int, dict] = {}
         self._exits: dict[int, int] = {}
+        self.exits_told = 0  # how many child exits the server has reported
         self._ready: dict | None = None
         self._next_id = 0
         self._reader: threading.Thread | None = None
@@ -271,6 +323,7 @@ class ForkServer:
                 with self._lock:
                     if "exit" in message:
                         self._exits[message["exit"]] = message["code"]
+                        self.exits_told += 1
                     elif "id" in message:
                         self._replies[message["id"]] = message
                     else:
@@ -313,6 +366,13 @@ class ForkServer:
             self._give_up(reply["error"] if reply else str(self.broken))
             return None
         return ForkedJob(self, reply["pid"])
+
+    def wait_exit(self, told: int, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for a child's exit reported after the first ``told``
+        (:attr:`exits_told` as the caller last read it), or for the server's end."""
+        with self._lock:
+            self._lock.wait_for(lambda: self.exits_told != told or self.broken is not None,
+                                timeout)
 
     def exit_code(self, pid: int) -> int | None:
         """The exit code of forked job ``pid`` once it has ended (None while it runs). A

@@ -114,22 +114,41 @@ def peak_bytes(config: Any) -> int:
     return (own + child * workers) * 1024  # ru_maxrss is in KiB on Linux
 
 
+def restore_hydra(state: dict, rescan: bool) -> None:
+    """Hydra's Singleton state as the launcher had it, as ``Singleton.set_state`` restores
+    it, save that a process forked by the fork server keeps the plugins the server
+    discovered (:func:`ddpexp.sweep.forkserver._warm`) where its import path is the server's
+    (``rescan`` False): the discovery imports every plugin module afresh, a few tens of ms."""
+    from copy import deepcopy
+
+    from hydra.core.plugins import Plugins
+    from hydra.core.singleton import Singleton
+    from omegaconf.basecontainer import BaseContainer
+
+    plugins = None if rescan else Singleton._instances.get(Plugins)
+    if plugins is None:
+        Singleton.set_state(state)
+        return
+    Singleton._instances = {**state["instances"], Plugins: plugins}
+    BaseContainer._resolvers = deepcopy(state["omegaconf_resolvers"])
+
+
 def main(spec_path: str, result_path: str) -> int:
     """Run the job described in ``spec_path``; write its JobReturn to ``result_path``."""
     with open(spec_path, "rb") as f:
         head = pickle.load(f)
         # The parent's import path: task functions of scripts and test modules unpickle here.
-        sys.path[:0] = [p for p in head["sys_path"] if p not in sys.path]
+        added = [p for p in head["sys_path"] if p not in sys.path]
+        sys.path[:0] = added
         if head["cores"] and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, head["cores"])
         import cloudpickle
 
         spec = cloudpickle.load(f)
 
-    from hydra.core.singleton import Singleton
     from hydra.core.utils import JobStatus, run_job, setup_globals
 
-    Singleton.set_state(spec["singleton_state"])
+    restore_hydra(spec["singleton_state"], rescan=bool(added))
     setup_globals()
     config = spec["config"]
     ret = run_job(

@@ -309,7 +309,9 @@ class LocalBackend(Backend):
         """The jobs whose process ended, each with its slice given back, polling for up to
         ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
+        server = self._server
         while True:
+            told = server.exits_told if server is not None else 0
             ended = []
             for job in list(self.running):
                 if job.handle.proc.poll() is not None:
@@ -321,7 +323,11 @@ class LocalBackend(Backend):
             left = deadline - time.monotonic()
             if ended or left <= 0:
                 return ended
-            time.sleep(min(POLL_S, left))
+            if server is not None and all(isinstance(j.handle.proc, ForkedJob)
+                                          for j in self.running):
+                server.wait_exit(told, left)  # woken by the exit itself
+            else:
+                time.sleep(min(POLL_S, left))
 
     def stop(self, job: Job, force: bool = False) -> None:
         _signal_group(job, signal.SIGKILL if force else signal.SIGTERM)
