@@ -46,7 +46,7 @@ sweeper in batches of ``max_parallel`` (how a batch sweeper such as hydra-optuna
     python scripts/bench.py --cases save-fsdp  # the same, fsdp over 2 workers only
     python scripts/bench.py --cases loggers # logger=tensorboard vs [tensorboard,mlflow], [..,wandb]
     python scripts/bench.py --cases launchers  # an 8-job sweep: ddp launcher vs Hydra's basic, joblib
-    python scripts/bench.py --cases gaps       # the search's slot gaps over 8 and 32 trials
+    python scripts/bench.py --cases gaps       # slot gaps over 8 and 32 trials, slots busy in a search
     python scripts/bench.py --cases scale      # per-job cost of 8-, 32- and 64-job sweeps
     python scripts/bench.py --cases find       # a find lr step against a training step
     python scripts/bench.py --cases data       # streaming readers, and the loop fed by them
@@ -616,6 +616,54 @@ def job_ends(output: str) -> dict[int, float]:
             for m in JOB_END.finditer(output)}
 
 
+def slot_busy(run_dirs: Sequence[Path], slots: int) -> dict[str, float]:
+    """How busy a sweep kept its slots, from the run dirs: each slot from its first job's
+    process start to its last job's final record, the share of that span its jobs spent in
+    their training loops (``train``: trainer built to fit ended) and in their processes
+    (``held``: process start to final record). A job's slot is that of the job that ended last
+    before it started, as in :func:`between_jobs`; a slot that has no job left to run is not
+    counted idle after its last one (the sweep's tail)."""
+    jobs = sorted((t for t in map(job_times, run_dirs) if t is not None), key=lambda t: t["start"])
+    lanes = [[job] for job in jobs[:slots]]
+    for job in jobs[slots:]:
+        done = [lane for lane in lanes if lane[-1]["recorded"] <= job["start"]] or lanes[:1]
+        max(done, key=lambda lane: lane[-1]["recorded"]).append(job)
+    span = sum(lane[-1]["recorded"] - lane[0]["start"] for lane in lanes)
+    return {"train": sum(t["last"] - t["built"] for t in jobs) / span,
+            "held": sum(t["recorded"] - t["start"] for t in jobs) / span,
+            "train_s": statistics.median(t["last"] - t["built"] for t in jobs)}
+
+
+def busy_search(quick: bool, repeats: int, env: dict, timeout: float, slots: int = 2) -> list[str]:
+    """An optuna_async search of trials of about 0.6 to 2 s of training (digits in batches of
+    64 for 6 to 18 epochs): how busy it keeps its ``slots`` slots (:func:`slot_busy`)."""
+    n, epochs = (4, "choice(2,4)") if quick else (8, "choice(6,10,14,18)")
+    lines = ["", f"busy: optuna_async, {n} trials of trainer.max_epochs={epochs} (digits, batch "
+             f"64), {slots} slots, {repeats} run(s)", "",
+             "| run | median training s | slots busy training | slots busy in a job process | "
+             "last result to next first step, median s | Hydra set-up s | build s |",
+             "|---|---|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory(prefix="ddpexp-bench-busy-") as tmp:
+        for r in range(repeats):
+            out = Path(tmp) / f"busy-{r}"
+            cmd = [sys.executable, "-m", "ddpexp", "-m", "hydra/sweeper=optuna_async", *JOB_CLOCK,
+                   f"hydra.sweeper.n_trials={n}", "hydra.sweeper.sampler.name=random",
+                   f"hydra.sweeper.sampler.seed={r}", f"hydra.launcher.max_parallel={slots}",
+                   "optimizer.lr=choice(0.01,0.03,0.1)", f"trainer.max_epochs={epochs}",
+                   "data.batch_size=64", "trainer.test=false", "trainer.progress_bar=false",
+                   f"hydra.sweep.dir={out}"]
+            run_command(cmd, Path(tmp), with_job_clock(env, Path(tmp)), timeout)
+            dirs = [d.parent.parent for d in out.glob("*/.hydra/config.yaml")]
+            busy, parts = slot_busy(dirs, slots), between_jobs(dirs, slots)
+            total, setup, build = (statistics.median(p[key] for p in parts)
+                                   for key in ("total", "setup", "build"))
+            lines.append(f"| {r + 1} | {busy['train_s']:.2f} | {busy['train']:.3f} | "
+                         f"{busy['held']:.3f} | {total:.3f} | {setup:.3f} | {build:.3f} |")
+            print(f"[{r + 1}/{repeats}] busy     training {busy['train']:.3f}  held "
+                  f"{busy['held']:.3f}", file=sys.stderr, flush=True)
+    return lines
+
+
 def gaps_bench(quick: bool, repeats: int, env: dict, timeout: float, slots: int = 2) -> str:
     """The search's slot gaps: optuna_async searches of one-epoch trials (random sampler over
     lr and batch size, the default digits data) of 8 and of 32 trials on ``slots`` slots; the
@@ -651,7 +699,7 @@ def gaps_bench(quick: bool, repeats: int, env: dict, timeout: float, slots: int 
             lines.append(f"| {n} | {statistics.median(gaps):.3f} | {max(gaps):.3f} | "
                          f"{len(gaps)} |")
             between += between_table(f"{n} trials", parts, gaps)
-    return "\n".join(lines + between)
+    return "\n".join(lines + between + busy_search(quick, repeats, env, timeout, slots))
 
 
 # ---------------------------------------------------------------------- the scale case
