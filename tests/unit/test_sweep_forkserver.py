@@ -121,3 +121,34 @@ def test_a_forked_job_keeps_the_servers_plugins_unless_its_path_adds_to_it():
         assert "only_in_the_launcher.yaml" in ConfigStore.instance().list("")
     finally:
         Singleton.set_state(saved)
+
+
+def test_a_launcher_waiting_on_a_dead_server_polls_its_orphans_and_does_not_spin(
+        tmp_path, monkeypatch):
+    """With the server gone no exit is told: each wait lasts its timeout, and the orphaned
+    job's end is found by its pid."""
+    import signal
+
+    (tmp_path / "naps.py").write_text("import time\n\ndef main():\n    time.sleep(1)\n    return 0\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    server = forkserver.ForkServer(["naps"], torch=False)
+    server.start()
+    try:
+        server.wait_ready(timeout=60)
+        job = server.spawn(tmp_path / "spec", tmp_path / "result", dict(os.environ),
+                           call="naps:main")
+        assert job is not None and server.proc is not None
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait()
+        waits = 0
+        while job.poll() is None and waits < 600:  # at most a minute of 0.1 s waits
+            server.wait_exit(server.exits_told, 0.1)
+            waits += 1
+        assert job.poll() == -signal.SIGKILL  # ended unreported: said as killed
+        assert 3 <= waits < 600  # the second it slept, in waits of 0.1 s, not a spin
+    finally:
+        try:
+            os.killpg(job.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, UnboundLocalError):
+            pass
+        server.close()

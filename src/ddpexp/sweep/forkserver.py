@@ -369,10 +369,10 @@ class ForkServer:
 
     def wait_exit(self, told: int, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for a child's exit reported after the first ``told``
-        (:attr:`exits_told` as the caller last read it), or for the server's end."""
+        (:attr:`exits_told` as the caller last read it). A server that ended reports no more:
+        the wait then lasts ``timeout``, and the caller's poll finds its orphans' ends."""
         with self._lock:
-            self._lock.wait_for(lambda: self.exits_told != told or self.broken is not None,
-                                timeout)
+            self._lock.wait_for(lambda: self.exits_told != told, timeout)
 
     def exit_code(self, pid: int) -> int | None:
         """The exit code of forked job ``pid`` once it has ended (None while it runs). A

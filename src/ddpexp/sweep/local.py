@@ -325,7 +325,7 @@ class LocalBackend(Backend):
                 return ended
             if server is not None and all(isinstance(j.handle.proc, ForkedJob)
                                           for j in self.running):
-                server.wait_exit(told, left)  # woken by the exit itself
+                server.wait_exit(told, min(POLL_S, left))  # woken by the exit itself
             else:
                 time.sleep(min(POLL_S, left))
 
