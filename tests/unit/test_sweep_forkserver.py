@@ -79,23 +79,36 @@ def test_a_launcher_that_does_not_fork_ends_it(early):
     assert early.proc.poll() is not None
 
 
-def test_a_child_s_exit_wakes_the_launcher_that_waits_for_it(tmp_path, monkeypatch):
-    """The launcher frees a slot on the exit the server tells, not at its next poll."""
-    (tmp_path / "ends_with_3.py").write_text("def main():\n    return 3\n")
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    server = forkserver.ForkServer(["ends_with_3"], torch=False)
-    server.start()
-    try:
+@pytest.fixture
+def serving(tmp_path, monkeypatch):
+    """A light fork server (Hydra only) that preloads module ``name`` of ``source`` (written
+    to tmp_path) and forks one child running its ``main``: (server, job)."""
+    servers = []
+
+    def start(name: str, source: str):
+        (tmp_path / f"{name}.py").write_text(source)
+        monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+        server = forkserver.ForkServer([name], torch=False)
+        servers.append(server)
+        server.start()
         server.wait_ready(timeout=60)
         assert server.broken is None
         told = server.exits_told
         job = server.spawn(tmp_path / "spec", tmp_path / "result", dict(os.environ),
-                           call="ends_with_3:main")
-        assert job is not None
-        server.wait_exit(told, timeout=60)
-        assert server.exits_told == told + 1 and job.poll() == 3
-    finally:
+                           call=f"{name}:main")
+        assert job is not None and server.proc is not None
+        return server, job, told
+
+    yield start
+    for server in servers:
         server.close()
+
+
+def test_a_child_s_exit_wakes_the_launcher_that_waits_for_it(serving):
+    """The launcher frees a slot on the exit the server tells, not at its next poll."""
+    server, job, told = serving("ends_with_3", "def main():\n    return 3\n")
+    server.wait_exit(told, timeout=60)
+    assert server.exits_told == told + 1 and job.poll() == 3
 
 
 def test_a_forked_job_keeps_the_servers_plugins_unless_its_path_adds_to_it():
@@ -123,21 +136,13 @@ def test_a_forked_job_keeps_the_servers_plugins_unless_its_path_adds_to_it():
         Singleton.set_state(saved)
 
 
-def test_a_launcher_waiting_on_a_dead_server_polls_its_orphans_and_does_not_spin(
-        tmp_path, monkeypatch):
+def test_a_launcher_waiting_on_a_dead_server_polls_its_orphans_and_does_not_spin(serving):
     """With the server gone no exit is told: each wait lasts its timeout, and the orphaned
     job's end is found by its pid."""
     import signal
 
-    (tmp_path / "naps.py").write_text("import time\n\ndef main():\n    time.sleep(1)\n    return 0\n")
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    server = forkserver.ForkServer(["naps"], torch=False)
-    server.start()
+    server, job, _ = serving("naps", "import time\n\ndef main():\n    time.sleep(1)\n    return 0\n")
     try:
-        server.wait_ready(timeout=60)
-        job = server.spawn(tmp_path / "spec", tmp_path / "result", dict(os.environ),
-                           call="naps:main")
-        assert job is not None and server.proc is not None
         server.proc.send_signal(signal.SIGKILL)
         server.proc.wait()
         waits = 0
@@ -149,6 +154,5 @@ def test_a_launcher_waiting_on_a_dead_server_polls_its_orphans_and_does_not_spin
     finally:
         try:
             os.killpg(job.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError, UnboundLocalError):
+        except (ProcessLookupError, PermissionError):
             pass
-        server.close()
