@@ -156,3 +156,15 @@ def test_a_launcher_waiting_on_a_dead_server_polls_its_orphans_and_does_not_spin
             os.killpg(job.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def test_a_forked_child_finds_the_plugins_the_server_discovered(serving):
+    """The server discovers Hydra's plugins before it forks: its children start with them
+    (exit 0), where each would otherwise discover them again (exit 1)."""
+    server, job, told = serving("has_plugins", (
+        "def main():\n"
+        "    from hydra.core.plugins import Plugins\n"
+        "    from hydra.core.singleton import Singleton\n"
+        "    return 0 if Plugins in Singleton._instances else 1\n"))
+    server.wait_exit(told, timeout=60)
+    assert job.poll() == 0

@@ -112,7 +112,7 @@ def serve(requests: int, replies: int, preload: Sequence[str]) -> int:
         for name in modules:
             what = f"importing {name}"
             importlib.import_module(name)
-        what = "discovering Hydra's plugins"
+        what = "discovering Hydra's plugins and parsing overrides"
         _warm()
     except Exception as exc:
         say({"failed": f"{what} raised {type(exc).__name__}: {exc}"})
@@ -126,10 +126,7 @@ def serve(requests: int, replies: int, preload: Sequence[str]) -> int:
     say({"ready": os.getpid(), "threads": baseline})
     pending = b""
     while True:
-        try:
-            ready, _, _ = select.select([requests, wake_r], [], [], 1.0)
-        except InterruptedError:
-            ready = []
+        ready, _, _ = select.select([requests, wake_r], [], [], 1.0)
         if wake_r in ready:
             os.read(wake_r, 4096)
         _reap(say)
