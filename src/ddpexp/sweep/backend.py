@@ -30,6 +30,7 @@ from omegaconf import DictConfig
 from ddpexp.config.commands import SWEEP_COMMAND_ENV, sweep_command
 from ddpexp.record import JOB_STARTED_ENV
 from ddpexp.runtime.jobtag import JOB_TAG_ENV
+from ddpexp.sweep.compose import Composer
 
 if TYPE_CHECKING:
     from hydra.types import HydraContext, TaskFunction
@@ -45,6 +46,14 @@ class HydraSetup:
     hydra_context: HydraContext
     task_function: TaskFunction
     outcomes: dict = field(default_factory=dict)
+    composer: Composer | None = field(default=None, repr=False, compare=False)
+
+    def compose(self, overrides: list[str]) -> DictConfig:
+        """The config of the sweep's job with these overrides, as Hydra composes it
+        (:class:`ddpexp.sweep.compose.Composer`: most jobs of a sweep are copies)."""
+        if self.composer is None:
+            self.composer = Composer(self.hydra_context.config_loader, self.config)
+        return self.composer.compose(overrides)
 
 
 

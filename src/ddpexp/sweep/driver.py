@@ -154,7 +154,7 @@ def prepare(hydra: HydraSetup, overrides: list[str], idx: int, sweep_dir: Path) 
     runs at all (``resume=auto`` and already completed: it does not)."""
     job = Job(idx, overrides)
     try:
-        cfg = hydra.hydra_context.config_loader.load_sweep_config(hydra.config, overrides)
+        cfg = hydra.compose(list(overrides))
         with open_dict(cfg):
             cfg.hydra.job.id = f"{idx}"
             cfg.hydra.job.num = idx
