@@ -207,15 +207,46 @@ def test_packaged_digits_and_diabetes_are_scikit_learns_numbers_bit_for_bit():
     import numpy as np
     from sklearn.datasets import load_diabetes, load_digits
 
-    from ddpexp.data.sources import _packaged, _scaled
+    from ddpexp.data.sources import _packaged, _scaled, csv_table
 
-    table = np.loadtxt(_packaged("digits.csv.gz"), delimiter=",")
+    table = csv_table(_packaged("digits.csv.gz"))
+    assert table.dtype == np.float64
     digits = load_digits()
     assert np.array_equal(table[:, :-1].reshape(-1, 8, 8), digits.images)
     assert np.array_equal(table[:, -1].astype(int), digits.target)
     diabetes = load_diabetes()
     assert np.array_equal(_scaled(np.loadtxt(_packaged("diabetes_data_raw.csv.gz"))), diabetes.data)
     assert np.array_equal(np.loadtxt(_packaged("diabetes_target.csv.gz")), diabetes.target)
+
+
+@pytest.mark.parametrize("text", [
+    "0,7,16\n3,100,9\n",  # up to three digits a field
+    "1,2\n3,4",  # no newline at the end
+    "0.5,1\n2,3\n",  # not integers: loadtxt's
+    "-1,2\n3,4\n",
+    "12345,6\n7,8\n",
+])
+def test_a_gzipped_csv_table_reads_as_loadtxt_reads_it(tmp_path, text):
+    import gzip
+
+    from ddpexp.data.sources import csv_table
+
+    path = tmp_path / "table.csv.gz"
+    path.write_bytes(gzip.compress(text.encode()))
+    table = csv_table(path)
+    assert table.dtype == np.float64
+    assert np.array_equal(table, np.loadtxt(path, delimiter=","))
+
+
+def test_a_ragged_csv_table_is_refused_as_loadtxt_refuses_it(tmp_path):
+    import gzip
+
+    from ddpexp.data.sources import csv_table
+
+    path = tmp_path / "table.csv.gz"
+    path.write_bytes(gzip.compress(b"1,2,3\n4,5\n6\n"))
+    with pytest.raises(ValueError):
+        csv_table(path)
 
 
 @pytest.mark.parametrize("n,fraction,classes,skew", [

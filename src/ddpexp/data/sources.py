@@ -4,6 +4,7 @@ text file of characters."""
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import pickle
 from collections.abc import Iterable, Sequence
@@ -31,7 +32,7 @@ class Digits(DataSource):
         self.split_seed = split_seed
 
     def load(self) -> tuple[InMemory, ...]:
-        table = np.loadtxt(_packaged("digits.csv.gz"), delimiter=",")
+        table = csv_table(_packaged("digits.csv.gz"))
         target = table[:, -1].astype(int)
         x = torch.tensor(table[:, :-1].reshape(-1, 8, 8), dtype=torch.float32).unsqueeze(1)
         y = torch.tensor(target, dtype=torch.long)
@@ -40,6 +41,31 @@ class Digits(DataSource):
         mean, std = x[parts[0]].mean(), x[parts[0]].std()
         x = (x - mean) / std
         return _present(InMemory(x[i], y[i]) for i in parts)
+
+
+def csv_table(path: Path) -> np.ndarray:
+    """The gzipped CSV at ``path`` as ``np.loadtxt(path, delimiter=",")`` reads it (float64).
+    A table of small non-negative integers (up to 3 digits, the digits file's 0-16) is parsed
+    in a few vectorised passes over its bytes, 5-8x faster than ``loadtxt``: a sweep's every
+    job reads it. Anything else goes to ``loadtxt``."""
+    raw = gzip.decompress(path.read_bytes())
+    if raw and not raw.endswith(b"\n"):
+        raw += b"\n"
+    chars = np.frombuffer(raw, dtype=np.uint8)
+    sep = (chars == ord(",")) | (chars == ord("\n"))
+    ends = np.flatnonzero(sep)
+    width = np.diff(ends, prepend=-1) - 1  # each field's characters
+    fields = np.diff(np.flatnonzero(chars[ends] == ord("\n")), prepend=-1)  # each row's
+    digit = (chars >= ord("0")) & (chars <= ord("9"))
+    if (not len(ends) or not (sep | digit).all() or width.min() < 1 or width.max() > 3
+            or (fields != fields[0]).any()):
+        return np.loadtxt(path, delimiter=",")
+    d = chars.astype(np.int64) - ord("0")
+    values = d[ends - 1]
+    for place in (1, 2):  # the tens, then the hundreds, where a field has them
+        wide = width > place
+        values[wide] += 10**place * d[ends[wide] - 1 - place]
+    return values.reshape(len(fields), -1).astype(np.float64)
 
 
 def _packaged(name: str) -> Path:

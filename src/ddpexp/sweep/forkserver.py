@@ -168,6 +168,9 @@ def _warm() -> None:
     from hydra.core.plugins import Plugins
 
     Plugins.instance()
+    schema = sys.modules.get("ddpexp.config.schema")  # a ddpexp run's typed trainer (5 ms)
+    if schema is not None:
+        schema.trainer_schema()
     OverridesParser.create().parse_overrides(
         ["seed=0", "optimizer.lr=0.001", "data.batch_size=32", "trainer.test=false",
          "model=convnet", "+callbacks.a_b._target_=pkg.mod.Cls", "~c",
