@@ -119,3 +119,28 @@ def test_a_failed_event_writer_thread_is_kept_off_the_terminal(tmp_path):
         threading.excepthook = before
     assert isinstance(thread.exception, OSError)  # raised again at the writer's next call
     assert [a.exc_type for a in seen] == [ZeroDivisionError]
+
+
+def test_points_reach_the_event_file_together_at_flush_every_s(tmp_path):
+    """The writer holds a log step's points until ``flush_every_s`` after the last hand-over
+    (one add_scalar each, then one flush for all); the run's end writes every one."""
+    import time
+
+    from ddpexp.loggers.collection import Loggers
+
+    loggers = Loggers({"tensorboard": TensorBoardLogger(flush_every_s=30)})
+    loggers.open(RunInfo(run_dir=tmp_path, name="r", config={}, hparams={}, resumed=False, step=0))
+    for step in range(1, 6):
+        loggers.log_metrics({"train/loss": 1.0 / step}, step, 0)
+    time.sleep(0.5)
+    assert "train/loss" not in read(tmp_path / "tb").Tags()["scalars"]
+    loggers.finalize("completed")
+    assert [e.step for e in read(tmp_path / "tb").Scalars("train/loss")] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("bad", [-1, "soon", True])
+def test_a_bad_flush_every_s_is_refused(bad):
+    from ddpexp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="flush_every_s"):
+        TensorBoardLogger(flush_every_s=bad)
