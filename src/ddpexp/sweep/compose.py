@@ -35,7 +35,8 @@ class Composer:
     def __init__(self, loader: Any, master: DictConfig) -> None:
         self.loader, self.master = loader, master
         # Unresolved, as Hydra reads them: 'hydra.sweep.subdir=${hydra.job.num}' is a line.
-        self.hydra_overrides = [str(o) for o in cast(list, OmegaConf.to_container(master.hydra.overrides.hydra))]
+        self.hydra_overrides = [
+            str(o) for o in cast(list, OmegaConf.to_container(master.hydra.overrides.hydra))]
         # shape -> (the first job's config, untouched, and its parsed overrides), or None for
         # a shape whose values Hydra did not apply as values (composed with Hydra every time).
         self.templates: dict[tuple, tuple[DictConfig, list] | None] = {}
@@ -90,7 +91,7 @@ class Composer:
         ConfigLoaderImpl._apply_overrides_to_config(
             [o for o in parsed if self._is_value(o) and o.key_or_group in changed], cfg)
         task = [o for o in parsed if not o.is_hydra_override()]
-        lines = list(cfg.hydra.overrides.task)
+        lines = cast(list, OmegaConf.to_container(cfg.hydra.overrides.task))  # unresolved
         names = cfg.hydra.job.config.override_dirname
         with open_dict(cfg.hydra):
             cfg.hydra.overrides.task = lines[:len(lines) - len(task)] + [o.input_line for o in task]
