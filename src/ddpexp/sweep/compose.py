@@ -15,7 +15,8 @@ for that (the key's node is a leaf holding its value); a key that fails it (``mo
 chooses a config group's option: the node is the option's config) is part of every shape as
 written from then on. Any other override is part of the shape as written too, so another
 config group choice, an added key or another Hydra override composes with Hydra; so does a
-job whose overrides do not parse, so that the error is Hydra's own.
+job whose overrides do not parse, so that the error is Hydra's own. The config files are
+read once per shape: an edit to them while the sweep runs reaches jobs of a new shape only.
 """
 
 from __future__ import annotations
