@@ -137,6 +137,21 @@ def test_every_job_runs_and_returns_in_order_and_the_summary_has_a_row_each(app,
     assert rows["1"]["overrides"] == "x=2"
 
 
+def test_a_sweeps_jobs_of_other_values_are_copies_whose_run_dirs_hold_their_own(app, tmp_path):
+    """Hydra composes the first job; the others are copies (ddpexp.sweep.compose), and each
+    job's .hydra/ files and result hold its own values."""
+    launcher = app()
+    rets = launcher.launch([["x=1"], ["x=2"], ["x=3", "fail=true"], ["x=4"]])
+    assert [r.return_value for r in rets if r.status == JobStatus.COMPLETED] == [0.1, 0.2, 0.4]
+    composer = launcher.sweep.hydra.composer
+    assert composer is not None and composer.composed == 2  # x=..., and x=..., fail=...
+    for num, x in [(0, 1), (1, 2), (3, 4)]:
+        job = tmp_path / "sweep" / str(num) / ".hydra"
+        assert OmegaConf.load(job / "config.yaml").x == x
+        assert list(OmegaConf.load(job / "overrides.yaml")) == [f"x={x}"]
+        assert OmegaConf.load(job / "hydra.yaml").hydra.job.override_dirname == f"x={x}"
+
+
 def test_a_waiting_job_keeps_its_config_packed_and_an_ended_one_lets_it_go(app, tmp_path):
     launcher = app()
     rets = launcher.launch([["x=1"], ["x=2"], ["x=3"]])
